@@ -1,0 +1,109 @@
+"""Small records shared by the scheduler-facing API."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kvtier.keys import OffloadKey
+
+__all__ = [
+    "LoadStoreSpec",
+    "LookupResult",
+    "Medium",
+    "OffloadingEvent",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "ScheduleEndContext",
+    "TransferResult",
+]
+
+
+class LookupResult(enum.Enum):
+    """What :meth:`TieringOffloadingManager.lookup` knows about one key."""
+
+    #: In no tier, or no primary slot could be found to promote it into.
+    MISS = "miss"
+    #: Readable in the primary tier now.
+    HIT = "hit"
+    #: Will be readable in the primary tier once a store or promotion completes.
+    HIT_PENDING = "hit_pending"
+    #: A tier has not answered yet; ask again after the next step.
+    RETRY = "retry"
+
+
+class Medium(enum.Enum):
+    """Where a tier keeps its bytes."""
+
+    GPU = "GPU"
+    CPU = "CPU"
+    STORAGE = "STORAGE"
+    NETWORK = "NETWORK"
+
+
+@dataclass(frozen=True)
+class ReqContext:
+    """The request a scheduler call is made for.
+
+    ``kv_transfer_params`` carries the host's per-request parameters untouched (the
+    same dictionary vLLM hands its connectors); kvtier itself reads only ``req_id``.
+    """
+
+    req_id: str
+    kv_transfer_params: Mapping[str, Any] | None = None
+
+
+class ScheduleEndContext(NamedTuple):
+    """What the scheduler tells :meth:`on_schedule_end` about the step that ended."""
+
+    #: Requests scheduled for the first time in this step.
+    new_req_ids: Collection[str] = ()
+    #: Requests preempted in this step.
+    preempted_req_ids: Collection[str] = ()
+
+
+@dataclass(frozen=True)
+class OffloadingEvent:
+    """Keys that were stored into, or removed from, one tier."""
+
+    keys: tuple[OffloadKey, ...]
+    medium: Medium
+    #: True when the keys left the tier, False when they became readable in it.
+    removed: bool
+    #: The tier's label, ``"0:primary"`` for the primary tier, ``"<n>:<type>"`` for
+    #: the n-th secondary tier.
+    tier: str
+
+
+@dataclass(frozen=True)
+class LoadStoreSpec:
+    """Where in the primary region a worker reads or writes: one slot per key."""
+
+    chunk_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class PrepareStoreOutput:
+    """The answer of ``prepare_store``.
+
+    ``keys_to_store`` are the keys of the call that were not yet stored, in call order;
+    ``store_spec.chunk_ids[i]`` is the slot allocated for ``keys_to_store[i]``.
+    ``evicted_keys`` left the primary tier to make room.
+    """
+
+    keys_to_store: list[OffloadKey]
+    store_spec: LoadStoreSpec
+    evicted_keys: list[OffloadKey] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """The outcome of one GPU <-> primary copy job of a worker."""
+
+    job_id: int
+    success: bool
+    transfer_bytes: int
+    #: Seconds from submission until the copy was known to be complete.
+    transfer_time: float
