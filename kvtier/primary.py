@@ -1,0 +1,243 @@
+"""The primary tier's bookkeeping: which key lives in which slot, and who holds it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvtier.errors import StateError
+from kvtier.keys import OffloadKey, format_key
+from kvtier.policies.base import CachePolicy
+from kvtier.records import (
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    PrepareStoreOutput,
+)
+
+__all__ = ["PRIMARY_LABEL", "PrimaryTier", "SlotRecord"]
+
+#: The tier label of the primary tier in metrics and events.
+PRIMARY_LABEL = "0:primary"
+
+_EMPTY_SPEC = LoadStoreSpec(chunk_ids=())
+
+
+class SlotRecord:
+    """One stored key: its slot in the region and its reference count.
+
+    ``ref_cnt`` is -1 while the slot is being written, 0 when it is readable and
+    evictable, and n > 0 while n readers hold it.
+    """
+
+    __slots__ = ("ref_cnt", "slot")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.ref_cnt = -1
+
+    def __repr__(self) -> str:
+        return f"SlotRecord(slot={self.slot}, ref_cnt={self.ref_cnt})"
+
+
+class PrimaryTier:
+    """Slots of the primary region, their ref counts, a free list and a policy.
+
+    The GPU-facing calls are ``prepare_load``/``complete_load`` (GPU reads a slot) and
+    ``prepare_store``/``complete_store`` (GPU writes a slot). A secondary tier uses the
+    same operations under names that say what they mean from its side:
+    ``prepare_read``/``complete_read`` pin a slot a cascade reads, and
+    ``prepare_write``/``complete_write`` fill a slot a promotion writes.
+
+    Not thread-safe: the manager is its only caller.
+    """
+
+    medium = Medium.CPU
+    label = PRIMARY_LABEL
+
+    def __init__(
+        self, num_chunks: int, policy: CachePolicy, *, enable_events: bool = False
+    ) -> None:
+        if num_chunks < 1:
+            raise ValueError(f"the primary tier needs at least one chunk, got {num_chunks}")
+        self.num_chunks = num_chunks
+        self.policy = policy
+        # key -> record, kept beside the policy so that a lookup is one dict probe.
+        self.records: dict[OffloadKey, SlotRecord] = {}
+        # Popped from the end: slot 0 is handed out first.
+        self._free: list[int] = list(range(num_chunks - 1, -1, -1))
+        self.num_evictable = 0
+        self.num_writing = 0
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self.prepare_read = self.prepare_load
+        self.complete_read = self.complete_load
+        self.prepare_write = self.prepare_store
+        self.complete_write = self.complete_store
+
+    # ----------------------------------------------------------------- queries
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        record = self.records.get(key)
+        if record is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if record.ref_cnt >= 0 else LookupResult.HIT_PENDING
+
+    def is_readable(self, key: OffloadKey) -> bool:
+        record = self.records.get(key)
+        return record is not None and record.ref_cnt >= 0
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        record = self.records.get(key)
+        return None if record is None else record.slot
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_stored(self) -> int:
+        return len(self.records)
+
+    @property
+    def num_busy(self) -> int:
+        """Slots that cannot be reused right now: being written or pinned."""
+        return len(self.records) - self.num_evictable
+
+    # ------------------------------------------------------------------ loads
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
+        """Pin readable ``keys`` against eviction; the spec lists their slots.
+
+        Raises:
+            StateError: a key is not stored or not yet readable (nothing is pinned).
+        """
+        records = self.records
+        chosen: list[SlotRecord] = []
+        for key in keys:
+            record = records.get(key)
+            if record is None or record.ref_cnt < 0:
+                state = "not stored" if record is None else "still being written"
+                raise StateError(f"cannot load key {format_key(key)}: it is {state}")
+            chosen.append(record)
+        for key, record in zip(keys, chosen, strict=True):
+            if record.ref_cnt == 0:
+                self.num_evictable -= 1
+                self.policy.mark_non_evictable(key)
+            record.ref_cnt += 1
+        return LoadStoreSpec(chunk_ids=[record.slot for record in chosen])
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        """Release the pins ``prepare_load`` took.
+
+        Raises:
+            StateError: a key is not pinned (nothing is released).
+        """
+        records = self.records
+        chosen: list[SlotRecord] = []
+        for key in keys:
+            record = records.get(key)
+            if record is None or record.ref_cnt <= 0:
+                raise StateError(
+                    f"cannot complete a load of key {format_key(key)}: it is not pinned"
+                )
+            chosen.append(record)
+        for key, record in zip(keys, chosen, strict=True):
+            record.ref_cnt -= 1
+            if record.ref_cnt == 0:
+                self.num_evictable += 1
+                self.policy.mark_evictable(key)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        self.policy.touch(keys)
+
+    # ----------------------------------------------------------------- stores
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        """Allocate slots for the keys not stored yet, evicting others if needed.
+
+        Keys of this call are never evicted for it. Returns None, changing nothing,
+        when not enough slots can be freed.
+        """
+        records = self.records
+        to_store = [key for key in dict.fromkeys(keys) if key not in records]
+        if not to_store:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=_EMPTY_SPEC, evicted_keys=[])
+        evicted: list[OffloadKey] = []
+        shortfall = len(to_store) - len(self._free)
+        if shortfall > 0:
+            if shortfall > self.num_evictable:
+                return None
+            victims = self.policy.evict(shortfall, protected=set(keys))
+            if victims is None:
+                return None
+            for key, victim in victims:
+                current = records.get(key)
+                if current is None or current is not victim or current.ref_cnt != 0:
+                    raise StateError(
+                        f"eviction policy {type(self.policy).__name__} returned key "
+                        f"{format_key(key)}, which is not evictable"
+                    )
+                del records[key]
+                self._free.append(current.slot)
+                evicted.append(key)
+            self.num_evictable -= len(victims)
+            if self._events is not None:
+                self._events.append(OffloadingEvent(tuple(evicted), self.medium, True, self.label))
+        free = self._free
+        slots: list[int] = []
+        policy = self.policy
+        for key in to_store:
+            record = SlotRecord(free.pop())
+            records[key] = record
+            policy.insert(key, record)
+            slots.append(record.slot)
+        self.num_writing += len(to_store)
+        return PrepareStoreOutput(
+            keys_to_store=to_store, store_spec=LoadStoreSpec(chunk_ids=slots), evicted_keys=evicted
+        )
+
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> list[OffloadKey]:
+        """Finish writes: on success the keys become readable, else their slots are freed.
+
+        Keys that are not being written are ignored. Returns the keys that became
+        readable.
+        """
+        records = self.records
+        policy = self.policy
+        done: list[OffloadKey] = []
+        for key in keys:
+            record = records.get(key)
+            if record is None or record.ref_cnt != -1:
+                continue
+            self.num_writing -= 1
+            if success:
+                record.ref_cnt = 0
+                self.num_evictable += 1
+                policy.mark_evictable(key)
+                done.append(key)
+            else:
+                del records[key]
+                policy.remove(key)
+                self._free.append(record.slot)
+        if done and self._events is not None:
+            self._events.append(OffloadingEvent(tuple(done), self.medium, False, self.label))
+        return done
+
+    # -------------------------------------------------------------- lifecycle
+
+    def reset(self) -> None:
+        """Forget every key. The caller guarantees no copy touches a slot any more."""
+        readable = tuple(key for key, record in self.records.items() if record.ref_cnt >= 0)
+        if readable and self._events is not None:
+            self._events.append(OffloadingEvent(readable, self.medium, True, self.label))
+        self.records.clear()
+        self.policy.clear()
+        self._free = list(range(self.num_chunks - 1, -1, -1))
+        self.num_evictable = 0
+        self.num_writing = 0
+
+    def take_events(self) -> list[OffloadingEvent]:
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
