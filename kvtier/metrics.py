@@ -1,0 +1,152 @@
+"""Prometheus metrics: definitions as data, bound to a caller's registry.
+
+A spec (and each tier class) describes its metrics with :class:`CounterDef`,
+:class:`GaugeDef` and :class:`HistogramDef` records keyed by name. :class:`MetricsRecorder`
+turns them into ``prometheus_client`` objects registered on the registry the host
+passes, never on the global default registry unless the host passes that one.
+
+Names follow vLLM's with ``vllm:kv_offload_`` replaced by ``kvtier_``; counters are
+exposed with prometheus_client's ``_total`` suffix.
+
+The scheduler's hot path never touches a Prometheus object: the manager adds to plain
+integers and flushes them here once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = [
+    "CounterDef",
+    "GaugeDef",
+    "HistogramDef",
+    "MetricDefinition",
+    "MetricsRecorder",
+    "Names",
+    "cpu_metric_definitions",
+]
+
+
+@dataclass(frozen=True)
+class MetricDefinition:
+    documentation: str
+    labelnames: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CounterDef(MetricDefinition):
+    """A monotonically increasing count."""
+
+
+@dataclass(frozen=True)
+class GaugeDef(MetricDefinition):
+    """A value that goes up and down."""
+
+
+@dataclass(frozen=True)
+class HistogramDef(MetricDefinition):
+    """A distribution; ``buckets`` None means prometheus_client's defaults."""
+
+    buckets: tuple[float, ...] | None = None
+
+
+class Names:
+    """Every metric name kvtier itself records."""
+
+    # CPU spec (primary tier)
+    STORES_SKIPPED = "kvtier_stores_skipped"
+    CPU_CACHE_USAGE_PERC = "kvtier_cpu_cache_usage_perc"
+    CPU_ALLOCATION_SIZE = "kvtier_cpu_allocation_size"
+    CPU_EVICTIONS = "kvtier_cpu_evictions"
+
+
+def cpu_metric_definitions(store_threshold: int) -> dict[str, MetricDefinition]:
+    """The CPU spec's metrics; ``stores_skipped`` exists only when the gate is on."""
+    definitions: dict[str, MetricDefinition] = {
+        Names.CPU_CACHE_USAGE_PERC: GaugeDef(
+            "Fraction of primary-tier slots that cannot be reused right now because "
+            "they are being written or are pinned by readers."
+        ),
+        Names.CPU_ALLOCATION_SIZE: HistogramDef(
+            "Chunks allocated in the primary tier per store call.",
+            # Store calls carry one request's new chunks: 1 to a few hundred.
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        ),
+        Names.CPU_EVICTIONS: CounterDef("Chunks evicted from the primary tier."),
+    }
+    if store_threshold >= 2:
+        definitions[Names.STORES_SKIPPED] = CounterDef(
+            "Chunks not stored because they had been looked up fewer than store_threshold times."
+        )
+    return definitions
+
+
+class MetricsRecorder:
+    """Prometheus objects for a set of definitions, on one registry.
+
+    Recording a name that has no definition does nothing: a manager records the same
+    names whichever spec built it, and each spec defines the ones it exposes.
+    """
+
+    def __init__(
+        self,
+        definitions: Mapping[str, MetricDefinition],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.definitions = dict(definitions)
+        self._counters: dict[str, Counter] = {}
+        self._gauges: dict[str, Gauge] = {}
+        self._histograms: dict[str, Histogram] = {}
+        for name, definition in self.definitions.items():
+            if not isinstance(definition, (CounterDef, GaugeDef, HistogramDef)):
+                raise TypeError(f"metric {name!r} has an unknown definition type {definition!r}")
+            common = {
+                "name": name,
+                "documentation": definition.documentation,
+                "labelnames": definition.labelnames,
+                "registry": self.registry,
+            }
+            if isinstance(definition, CounterDef):
+                self._counters[name] = Counter(**common)  # type: ignore[arg-type]
+            elif isinstance(definition, GaugeDef):
+                self._gauges[name] = Gauge(**common)  # type: ignore[arg-type]
+            elif isinstance(definition, HistogramDef):
+                kwargs = dict(common)
+                if definition.buckets is not None:
+                    kwargs["buckets"] = definition.buckets
+                self._histograms[name] = Histogram(**kwargs)  # type: ignore[arg-type]
+
+    def defines(self, name: str) -> bool:
+        return name in self.definitions
+
+    def inc(self, name: str, amount: float = 1.0, labels: tuple[str, ...] = ()) -> None:
+        counter = self._counters.get(name)
+        if counter is not None and amount:
+            (counter.labels(*labels) if labels else counter).inc(amount)
+
+    def set(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        gauge = self._gauges.get(name)
+        if gauge is not None:
+            (gauge.labels(*labels) if labels else gauge).set(value)
+
+    def observe(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        histogram = self._histograms.get(name)
+        if histogram is not None:
+            (histogram.labels(*labels) if labels else histogram).observe(value)
+
+    def observe_many(
+        self, name: str, values: Iterable[float], labels: tuple[str, ...] = ()
+    ) -> None:
+        histogram = self._histograms.get(name)
+        if histogram is not None:
+            target = histogram.labels(*labels) if labels else histogram
+            for value in values:
+                target.observe(value)
+
+    def sample(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
+        """The current value of one sample, by its exposed name (tests, the CLI)."""
+        return self.registry.get_sample_value(name, dict(labels or {}))

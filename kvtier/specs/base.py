@@ -1,0 +1,85 @@
+"""The spec interface: config in; manager, worker and metric definitions out."""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from prometheus_client import CollectorRegistry
+
+from kvtier.config import ConfigReader, OffloadingConfig
+from kvtier.metrics import MetricDefinition
+from kvtier.region import DEFAULT_SHM_DIR
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.tiering.manager import TieringOffloadingManager
+    from kvtier.worker.engines import CopyEngine
+    from kvtier.worker.worker import OffloadingWorker
+
+__all__ = ["OffloadingSpec"]
+
+
+class OffloadingSpec(ABC):
+    """A way of offloading: reads the config and builds what the host needs.
+
+    The scheduler process calls :meth:`get_manager`; each worker process calls
+    :meth:`create_worker` with its KV tensors; :meth:`shutdown` releases whatever
+    either built. Out-of-tree specs subclass this (or a built-in spec) and are selected
+    with ``extra_config["spec_name"]`` plus ``extra_config["spec_module_path"]``.
+
+    Every ``extra_config`` key must be read by the spec or listed in
+    :attr:`extra_keys`; any other key raises :class:`~kvtier.ConfigError`, so a typo
+    never silently falls back to a default.
+    """
+
+    #: Further ``extra_config`` keys an out-of-tree subclass accepts without reading.
+    extra_keys: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.shm_dir = shm_dir
+        reader = ConfigReader(config.extra_config)
+        reader.raw("spec_name")
+        reader.raw("spec_module_path")
+        #: Host hint: offload prompt chunks only, not those produced while decoding.
+        self.offload_prompt_only: bool = reader.boolean("offload_prompt_only", True)
+        #: Tokens per chunk.
+        self.block_size: int = reader.integer(
+            "block_size", config.tokens_per_block, minimum=config.tokens_per_block
+        )
+        self.read_settings(reader)
+        reader.reject_unknown(self.extra_keys)
+
+    def read_settings(self, reader: ConfigReader) -> None:  # noqa: B027 - optional hook
+        """Read this spec's own ``extra_config`` keys (subclasses extend, calling super)."""
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: Mapping[str, Any]
+    ) -> dict[str, MetricDefinition]:
+        """The metrics this spec's manager exposes, by name."""
+        return {}
+
+    @abstractmethod
+    def get_manager(self) -> TieringOffloadingManager:
+        """The scheduler-side manager (built once, on the first call)."""
+
+    @abstractmethod
+    def create_worker(
+        self, kv_caches: Sequence[torch.Tensor], *, engine: CopyEngine | None = None
+    ) -> OffloadingWorker:
+        """A worker for rank ``config.rank`` copying between ``kv_caches`` and the region."""
+
+    def shutdown(self) -> None:  # noqa: B027 - specs without resources need nothing here
+        """Release the manager, workers and region this spec built. Idempotent."""

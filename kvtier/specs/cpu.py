@@ -1,0 +1,140 @@
+"""Offloading to CPU memory only: the primary tier on its shared region."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvtier.config import ChunkGeometry, ConfigReader, OffloadingConfig
+from kvtier.errors import ConfigError
+from kvtier.metrics import MetricDefinition, MetricsRecorder, cpu_metric_definitions
+from kvtier.policies.factory import CachePolicyFactory
+from kvtier.primary import PrimaryTier
+from kvtier.region import SharedOffloadRegion
+from kvtier.specs.base import OffloadingSpec
+from kvtier.tiering.manager import TieringOffloadingManager
+from kvtier.worker.worker import OffloadingWorker
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.worker.engines import CopyEngine
+
+__all__ = ["CPUOffloadingSpec"]
+
+logger = logging.getLogger(__name__)
+
+
+class CPUOffloadingSpec(OffloadingSpec):
+    """The primary tier alone: ``cpu_bytes_to_use`` of shared CPU memory.
+
+    Reads ``cpu_bytes_to_use`` (required), ``eviction_policy`` and
+    ``cache_policy_module_path``, and ``store_threshold`` (>= 2: store a chunk only
+    once it was looked up that many times).
+    """
+
+    def __init__(self, config: OffloadingConfig, **kwargs: Any) -> None:
+        self._manager: TieringOffloadingManager | None = None
+        self._workers: list[OffloadingWorker] = []
+        super().__init__(config, **kwargs)
+
+    def read_settings(self, reader: ConfigReader) -> None:
+        super().read_settings(reader)
+        self.cpu_bytes_to_use: int = reader.integer("cpu_bytes_to_use", minimum=1)
+        self.eviction_policy: str = reader.string("eviction_policy", "lru")
+        self.cache_policy_module_path: str | None = reader.string("cache_policy_module_path", None)
+        # Resolve now so an unknown policy fails at startup, not at the first store.
+        self.policy_class = CachePolicyFactory.get_policy_class(
+            self.eviction_policy, self.cache_policy_module_path
+        )
+        self.store_threshold: int = reader.integer("store_threshold", 0, minimum=0)
+        self.geometry = ChunkGeometry.from_config(
+            self.config, cpu_bytes_to_use=self.cpu_bytes_to_use, block_size=self.block_size
+        )
+        self._check_no_tiers(reader)
+
+    def _check_no_tiers(self, reader: ConfigReader) -> None:
+        for key in ("secondary_tiers", "backpressure"):
+            if reader.has(key):
+                raise ConfigError(
+                    key,
+                    f"{type(self).__name__} has no secondary tiers; set spec_name to "
+                    "TieringOffloadingSpec to use them",
+                )
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: Mapping[str, Any]
+    ) -> dict[str, MetricDefinition]:
+        definitions = super().build_metric_definitions(extra_config)
+        threshold = extra_config.get("store_threshold", 0)
+        definitions.update(cpu_metric_definitions(threshold if isinstance(threshold, int) else 0))
+        return definitions
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.geometry.blocks_per_chunk
+
+    @property
+    def num_chunks(self) -> int:
+        return self.geometry.num_chunks
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.geometry.chunk_bytes
+
+    def open_region(self, rank: int | None) -> SharedOffloadRegion:
+        """Open this engine's region from the scheduler side (None) or a worker rank."""
+        return SharedOffloadRegion.for_geometry(
+            self.config.engine_id, self.geometry, rank, shm_dir=self.shm_dir
+        )
+
+    def new_metrics(self) -> MetricsRecorder:
+        return MetricsRecorder(
+            self.build_metric_definitions(self.config.extra_config), self.registry
+        )
+
+    def get_manager(self) -> TieringOffloadingManager:
+        if self._manager is None:
+            region = self.open_region(None)
+            try:
+                policy = self.policy_class(self.num_chunks)
+                primary = PrimaryTier(
+                    self.num_chunks, policy, enable_events=self.config.enable_kv_events
+                )
+                self._manager = TieringOffloadingManager(
+                    primary,
+                    region=region,
+                    metrics=self.new_metrics(),
+                    store_threshold=self.store_threshold,
+                )
+            except BaseException:
+                region.close()
+                raise
+            logger.info(
+                "primary tier: %d chunks of %d bytes (%s eviction)",
+                self.num_chunks,
+                self.chunk_bytes,
+                self.eviction_policy,
+            )
+        return self._manager
+
+    def create_worker(
+        self, kv_caches: Sequence[torch.Tensor], *, engine: CopyEngine | None = None
+    ) -> OffloadingWorker:
+        region = self.open_region(self.config.rank)
+        try:
+            worker = OffloadingWorker(region, kv_caches, self.blocks_per_chunk, engine=engine)
+        except BaseException:
+            region.close()
+            raise
+        self._workers.append(worker)
+        return worker
+
+    def shutdown(self) -> None:
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.close()
+        if self._manager is not None:
+            self._manager.shutdown()

@@ -1,0 +1,55 @@
+"""Choosing a spec from ``extra_config``."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from kvtier._plugins import PluginRegistry
+from kvtier.config import ConfigReader, OffloadingConfig
+from kvtier.specs.base import OffloadingSpec
+
+__all__ = ["OffloadingSpecFactory"]
+
+
+class OffloadingSpecFactory:
+    """Builds the spec ``extra_config["spec_name"]`` names (default ``CPUOffloadingSpec``).
+
+    With ``extra_config["spec_module_path"]`` the name is a class imported from that
+    module; it must subclass :class:`OffloadingSpec`.
+    """
+
+    _registry: ClassVar[PluginRegistry[OffloadingSpec]] = PluginRegistry(
+        OffloadingSpec,  # type: ignore[type-abstract]
+        "spec",
+        "spec_name",
+        "spec_module_path",
+    )
+    _registry.register("CPUOffloadingSpec", "kvtier.specs.cpu", "CPUOffloadingSpec")
+
+    @classmethod
+    def register_spec(
+        cls, name: str, spec: type[OffloadingSpec] | str, class_name: str | None = None
+    ) -> None:
+        """Make ``spec_name=name`` select a spec: the class, or a module path and class name."""
+        cls._registry.register(name, spec, class_name)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return cls._registry.names()
+
+    @classmethod
+    def get_spec_class(cls, config: OffloadingConfig) -> type[OffloadingSpec]:
+        """The spec class ``config.extra_config`` selects.
+
+        Raises:
+            ConfigError: unknown ``spec_name``, an import failure, or not a spec class.
+        """
+        reader = ConfigReader(config.extra_config)
+        name = reader.string("spec_name", "CPUOffloadingSpec")
+        module_path = reader.string("spec_module_path", None)
+        return cls._registry.resolve(name, module_path)
+
+    @classmethod
+    def create_spec(cls, config: OffloadingConfig, **kwargs: Any) -> OffloadingSpec:
+        """Build the selected spec; ``kwargs`` (``registry``, ``shm_dir``) pass through."""
+        return cls.get_spec_class(config)(config, **kwargs)
