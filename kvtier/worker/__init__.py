@@ -1,0 +1,21 @@
+"""GPU <-> primary copies: the worker, its copy engines and their layout."""
+
+from kvtier.worker.engines import (
+    COMPLETED,
+    CopyEngine,
+    CopyEvent,
+    CpuCopyEngine,
+    ThreadedCopyEngine,
+)
+from kvtier.worker.layout import ColumnLayout
+from kvtier.worker.worker import OffloadingWorker
+
+__all__ = [
+    "COMPLETED",
+    "ColumnLayout",
+    "CopyEngine",
+    "CopyEvent",
+    "CpuCopyEngine",
+    "OffloadingWorker",
+    "ThreadedCopyEngine",
+]

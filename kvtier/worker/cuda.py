@@ -1,0 +1,162 @@
+"""GPU <-> primary copies on dedicated CUDA streams.
+
+A store job gathers its GPU blocks into one device staging buffer laid out exactly like
+the destination columns (one small kernel per KV tensor), then moves it to the region
+with one device-to-host copy per slot (one per run of adjacent slots when the columns
+of adjacent rows touch). A load does the reverse. Per-job cost is therefore a few
+kernel launches per KV tensor plus one DMA per slot, instead of one DMA per tensor per
+block, and each DMA is a whole column: the size at which PCIe runs at full speed.
+
+The region is registered with the driver as pinned host memory so the DMAs are truly
+asynchronous; if registration fails (a locked-memory limit, an old driver) copies still
+work from pageable memory, more slowly, and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvtier.region import SharedOffloadRegion
+from kvtier.worker.engines import LOAD, STORE, CopyEngine, CopyEvent
+from kvtier.worker.layout import ColumnLayout
+
+__all__ = ["CudaCopyEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+class _CudaEvent(CopyEvent):
+    __slots__ = ("_event", "_keepalive", "lane")
+
+    def __init__(self, lane: str, stream: torch.cuda.Stream, keepalive: tuple[Any, ...]) -> None:
+        self.lane = lane
+        # blocking=True: a waiter thread sleeps in synchronize() instead of spinning.
+        self._event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        self._event.record(stream)
+        # Staging buffers and index tensors must outlive the copies that use them.
+        self._keepalive: tuple[Any, ...] | None = keepalive
+
+    def query(self) -> bool:
+        done = bool(self._event.query())  # type: ignore[no-untyped-call]
+        if done:
+            self._keepalive = None
+        return done
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+        self._keepalive = None
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copies on two dedicated streams, one per direction, ending each job with an event."""
+
+    def __init__(self, region: SharedOffloadRegion, *, register_host_memory: bool = True) -> None:
+        self._region = region
+        self._register = register_host_memory
+        self._registered_address: int | None = None
+
+    def bind(self, layout: ColumnLayout) -> None:
+        super().bind(layout)
+        device = layout.device
+        if device.type != "cuda":
+            raise ValueError(f"CudaCopyEngine needs KV tensors on a CUDA device, got {device}")
+        self._device = device
+        self._store_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._load_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        # Adjacent rows' columns touch only when a row is exactly one column wide.
+        self._rows_adjacent = layout.column.stride(0) == layout.column_bytes
+        if self._register:
+            self._pin_region()
+
+    def store(self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> CopyEvent:
+        layout = self.layout
+        n = chunk_ids.numel()
+        bpc = layout.blocks_per_chunk
+        # KV bytes are written by the compute stream: copy only what it has finished.
+        producer = torch.cuda.current_stream(self._device)
+        stream = self._store_stream
+        with torch.cuda.stream(stream):
+            stream.wait_stream(producer)
+            ids = gpu_block_ids.to(self._device, non_blocking=True)
+            staging = torch.empty((n, layout.column_bytes), dtype=torch.uint8, device=self._device)
+            for part in layout.slices:
+                span = part.block_bytes * bpc
+                gathered = part.blocks.index_select(0, ids).view(n, span)
+                staging[:, part.offset : part.offset + span].copy_(gathered)
+            for first, count, slot in self._runs(chunk_ids):
+                layout.column[slot : slot + count].copy_(
+                    staging[first : first + count], non_blocking=True
+                )
+            return _CudaEvent(STORE, stream, (staging, ids, gpu_block_ids, chunk_ids))
+
+    def load(self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor) -> CopyEvent:
+        layout = self.layout
+        n = chunk_ids.numel()
+        bpc = layout.blocks_per_chunk
+        consumer = torch.cuda.current_stream(self._device)
+        stream = self._load_stream
+        with torch.cuda.stream(stream):
+            # The target blocks may still be read by earlier work on the compute stream.
+            stream.wait_stream(consumer)
+            ids = gpu_block_ids.to(self._device, non_blocking=True)
+            staging = torch.empty((n, layout.column_bytes), dtype=torch.uint8, device=self._device)
+            for first, count, slot in self._runs(chunk_ids):
+                staging[first : first + count].copy_(
+                    layout.column[slot : slot + count], non_blocking=True
+                )
+            for part in layout.slices:
+                span = part.block_bytes * bpc
+                blocks = staging[:, part.offset : part.offset + span].reshape(
+                    n * bpc, part.block_bytes
+                )
+                part.blocks.index_copy_(0, ids, blocks)
+            return _CudaEvent(LOAD, stream, (staging, ids, gpu_block_ids, chunk_ids))
+
+    def close(self) -> None:
+        for stream in (getattr(self, "_store_stream", None), getattr(self, "_load_stream", None)):
+            if stream is not None:
+                stream.synchronize()
+        if self._registered_address is not None:
+            rc = _cudart().cudaHostUnregister(self._registered_address)
+            if _code(rc) != 0:
+                logger.warning("cudaHostUnregister of the region failed (error %s)", _code(rc))
+            self._registered_address = None
+
+    def _runs(self, chunk_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+        """``(first job index, count, first slot)`` of each run of adjacent slots."""
+        slots = chunk_ids.tolist()
+        runs: list[tuple[int, int, int]] = []
+        for i, slot in enumerate(slots):
+            if runs and self._rows_adjacent:
+                first, count, start = runs[-1]
+                if start + count == slot:
+                    runs[-1] = (first, count + 1, start)
+                    continue
+            runs.append((i, 1, slot))
+        return runs
+
+    def _pin_region(self) -> None:
+        address, length = self._region.mapping_address()
+        # cudaHostRegisterDefault: the mapping is shared by other processes, each of
+        # which registers its own view; portable/mapped flags would buy nothing here.
+        rc = _cudart().cudaHostRegister(address, length, 0)
+        if _code(rc) == 0:
+            self._registered_address = address
+        else:
+            logger.warning(
+                "could not pin the primary region for the GPU (cudaHostRegister error %s); "
+                "copies fall back to pageable memory and will be slower",
+                _code(rc),
+            )
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _code(rc: object) -> int:
+    value: Any = getattr(rc, "value", rc)
+    return int(value)

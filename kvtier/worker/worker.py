@@ -1,0 +1,274 @@
+"""GPU <-> primary copies for one worker rank."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import anyio
+import torch
+
+from kvtier.errors import KVTierError
+from kvtier.records import TransferResult
+from kvtier.region import SharedOffloadRegion
+from kvtier.worker.engines import COMPLETED, LOAD, STORE, CopyEngine, CopyEvent, CpuCopyEngine
+from kvtier.worker.layout import ColumnLayout
+
+__all__ = ["BlockIds", "OffloadingWorker"]
+
+logger = logging.getLogger(__name__)
+
+#: What callers may pass as block or chunk ids.
+BlockIds = Sequence[int] | torch.Tensor
+
+_Callback = Callable[[BaseException | None], None]
+
+
+class _Waiter:
+    """One thread per lane that waits for its events in order and reports each one.
+
+    Events of one lane (one CUDA stream) complete in submission order, so waiting on
+    them one after another loses nothing, and a blocking wait lets the thread sleep.
+    The callback runs on this thread; it must only hand results over.
+    """
+
+    def __init__(self, lane: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[CopyEvent, _Callback] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-waiter-{lane}", daemon=True)
+        self._thread.start()
+
+    def watch(self, event: CopyEvent, callback: _Callback) -> None:
+        self._queue.put((event, callback))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            event, callback = item
+            try:
+                event.synchronize()
+            except BaseException as exc:  # the job failed; its owner decides what that means
+                callback(exc)
+            else:
+                callback(None)
+
+
+class OffloadingWorker:
+    """Copies chunks between one rank's KV tensors and its column of the region.
+
+    Synchronous hosts call :meth:`submit_store` / :meth:`submit_load` and poll
+    :meth:`get_finished`; async hosts ``await`` :meth:`store` / :meth:`load`. Both run
+    the same code. A copy is never cancelled once enqueued: cancelling a task that
+    awaits one only stops the waiting, and :meth:`close` waits for every copy.
+
+    ``gpu_block_ids`` lists ``blocks_per_chunk`` GPU block ids per chunk, in order;
+    ``chunk_ids`` one primary slot per chunk.
+    """
+
+    def __init__(
+        self,
+        region: SharedOffloadRegion,
+        kv_caches: Sequence[torch.Tensor],
+        blocks_per_chunk: int,
+        *,
+        engine: CopyEngine | None = None,
+        owns_region: bool = True,
+    ) -> None:
+        self.region = region
+        self.layout = ColumnLayout(kv_caches, region.worker_column(), blocks_per_chunk)
+        if engine is None:
+            engine = _default_engine(region, self.layout)
+        self.engine = engine
+        self.engine.bind(self.layout)
+        self._owns_region = owns_region
+        self._finished: deque[TransferResult] = deque()
+        self._waiters: dict[str, _Waiter] = {}
+        self._inflight = 0
+        self._idle = threading.Condition()
+        self._ids = itertools.count(1 << 62)
+        self._closed = False
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.layout.blocks_per_chunk
+
+    @property
+    def inflight(self) -> int:
+        """Jobs whose copies have not completed yet."""
+        return self._inflight
+
+    # ------------------------------------------------------------ sync API
+
+    def submit_store(self, job_id: int, gpu_block_ids: BlockIds, chunk_ids: BlockIds) -> None:
+        """Start copying GPU blocks into slots; the result comes from :meth:`get_finished`."""
+        self._submit(job_id, STORE, gpu_block_ids, chunk_ids, self._finished.append)
+
+    def submit_load(self, job_id: int, chunk_ids: BlockIds, gpu_block_ids: BlockIds) -> None:
+        """Start copying slots into GPU blocks; the result comes from :meth:`get_finished`."""
+        self._submit(job_id, LOAD, gpu_block_ids, chunk_ids, self._finished.append)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results of submitted jobs that completed since the last call."""
+        results: list[TransferResult] = []
+        while self._finished:
+            results.append(self._finished.popleft())
+        return results
+
+    # ----------------------------------------------------------- async API
+
+    async def store(self, gpu_block_ids: BlockIds, chunk_ids: BlockIds) -> TransferResult:
+        """Copy GPU blocks into slots and wait, without blocking the loop, until done."""
+        return await self._run(STORE, gpu_block_ids, chunk_ids)
+
+    async def load(self, chunk_ids: BlockIds, gpu_block_ids: BlockIds) -> TransferResult:
+        """Copy slots into GPU blocks and wait, without blocking the loop, until done."""
+        return await self._run(LOAD, gpu_block_ids, chunk_ids)
+
+    async def _run(
+        self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds
+    ) -> TransferResult:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[TransferResult] = loop.create_future()
+
+        def deliver(result: TransferResult) -> None:
+            # RuntimeError: the loop is closed, so nobody is waiting any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, future, result)
+
+        self._submit(next(self._ids), direction, gpu_block_ids, chunk_ids, deliver)
+        return await future
+
+    # -------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        """Wait for every copy, stop the waiter threads, release the engine and region.
+
+        Idempotent. Blocks the calling thread; async hosts use :meth:`aclose`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight == 0)
+        for waiter in self._waiters.values():
+            waiter.close()
+        self._waiters.clear()
+        self.engine.close()
+        del self.layout
+        if self._owns_region:
+            self.region.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close` without blocking the event loop."""
+        await anyio.to_thread.run_sync(self.close)
+
+    # -------------------------------------------------------------- internals
+
+    def _submit(
+        self,
+        job_id: int,
+        direction: str,
+        gpu_block_ids: BlockIds,
+        chunk_ids: BlockIds,
+        report: Callable[[TransferResult], None],
+    ) -> None:
+        if self._closed:
+            raise KVTierError("the worker is closed")
+        gpu_ids, slots = self._check_ids(direction, gpu_block_ids, chunk_ids)
+        nbytes = slots.numel() * self.layout.column_bytes
+        started = time.perf_counter()
+        if nbytes == 0:
+            report(TransferResult(job_id, True, 0, 0.0))
+            return
+        try:
+            if direction == STORE:
+                event = self.engine.store(gpu_ids, slots)
+            else:
+                event = self.engine.load(slots, gpu_ids)
+        except Exception:
+            logger.exception(
+                "%s job %d of %d chunks failed to start", direction, job_id, slots.numel()
+            )
+            report(TransferResult(job_id, False, nbytes, time.perf_counter() - started))
+            return
+
+        def finish(error: BaseException | None) -> None:
+            elapsed = time.perf_counter() - started
+            if error is not None:
+                logger.error(
+                    "%s job %d of %d chunks failed: %s", direction, job_id, slots.numel(), error
+                )
+            report(TransferResult(job_id, error is None, nbytes, elapsed))
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+        with self._idle:
+            self._inflight += 1
+        if event is COMPLETED or event.query():
+            finish(None)
+            return
+        waiter = self._waiters.get(event.lane)
+        if waiter is None:
+            waiter = self._waiters[event.lane] = _Waiter(event.lane)
+        waiter.watch(event, finish)
+
+    def _check_ids(
+        self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gpu_ids = _as_ids("gpu_block_ids", gpu_block_ids)
+        slots = _as_ids("chunk_ids", chunk_ids)
+        layout = self.layout
+        expected = slots.numel() * layout.blocks_per_chunk
+        if gpu_ids.numel() != expected:
+            raise ValueError(
+                f"{slots.numel()} chunk(s) of {layout.blocks_per_chunk} block(s) need "
+                f"{expected} gpu_block_ids, got {gpu_ids.numel()}"
+            )
+        _check_range("chunk_ids", slots, layout.num_chunks)
+        _check_range("gpu_block_ids", gpu_ids, layout.num_gpu_blocks)
+        # A store writing one slot twice, or a load writing one GPU block twice, would
+        # leave bytes that depend on copy order.
+        written, name = (slots, "chunk_ids") if direction == STORE else (gpu_ids, "gpu_block_ids")
+        if torch.unique(written).numel() != written.numel():
+            raise ValueError(f"{name} of a {direction} must not repeat an id")
+        return gpu_ids, slots
+
+
+def _resolve(future: asyncio.Future[TransferResult], result: TransferResult) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _as_ids(name: str, ids: BlockIds) -> torch.Tensor:
+    try:
+        tensor = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{name} must be a sequence of integers: {exc}") from exc
+    if tensor.dim() != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def _check_range(name: str, ids: torch.Tensor, limit: int) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+        raise ValueError(f"{name} must lie in [0, {limit}), got {ids.min()}..{ids.max()}")
+
+
+def _default_engine(region: SharedOffloadRegion, layout: ColumnLayout) -> CopyEngine:
+    if layout.device.type == "cuda":
+        from kvtier.worker.cuda import CudaCopyEngine
+
+        return CudaCopyEngine(region)
+    if layout.device.type != "cpu":
+        raise ValueError(f"no copy engine for KV tensors on {layout.device}; pass engine=")
+    return CpuCopyEngine()
