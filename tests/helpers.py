@@ -1,0 +1,37 @@
+"""Builders shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier import OffloadingConfig, OffloadKey, make_offload_key
+
+
+def make_config(
+    engine_id: str, *, kv_bytes_per_block: int = 4096, **extra: Any
+) -> OffloadingConfig:
+    options: dict[str, Any] = {"cpu_bytes_to_use": 64 * kv_bytes_per_block}
+    config_fields = {
+        k: extra.pop(k)
+        for k in (
+            "tokens_per_block",
+            "world_size",
+            "rank",
+            "model_name",
+            "kv_dtype",
+            "enable_kv_events",
+        )
+        if k in extra
+    }
+    options.update(extra)
+    return OffloadingConfig(
+        engine_id=engine_id,
+        kv_bytes_per_block=kv_bytes_per_block,
+        extra_config=options,
+        **config_fields,
+    )
+
+
+def keys(prefix: str, count: int, group: int = 0) -> list[OffloadKey]:
+    """``count`` distinct keys, the same for the same prefix."""
+    return [make_offload_key(f"{prefix}-{i}".encode().ljust(16, b"."), group) for i in range(count)]

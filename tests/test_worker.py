@@ -1,0 +1,255 @@
+"""GPU <-> primary copies through the worker, on CPU tensors and a threaded engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from helpers import make_config
+
+from kvtier import OffloadingSpecFactory, SharedOffloadRegion
+from kvtier.errors import KVTierError
+from kvtier.specs.cpu import CPUOffloadingSpec
+from kvtier.worker import ThreadedCopyEngine
+
+NUM_GPU_BLOCKS = 32
+
+
+def kv_tensors(seed: int = 0) -> list[torch.Tensor]:
+    """Two layers of different dtypes: 3072 + 1024 = 4096 bytes per block."""
+    gen = torch.Generator().manual_seed(seed)
+    layer0 = torch.randint(
+        -(2**15), 2**15, (NUM_GPU_BLOCKS, 2, 768), dtype=torch.int16, generator=gen
+    )
+    layer1 = torch.rand((NUM_GPU_BLOCKS, 256), generator=gen).to(torch.float32)
+    return [layer0, layer1]
+
+
+def build(engine_id: str, engine=None, **extra):
+    spec = OffloadingSpecFactory.create_spec(
+        make_config(engine_id, kv_bytes_per_block=4096, **extra)
+    )
+    assert isinstance(spec, CPUOffloadingSpec)
+    kv = kv_tensors()
+    worker = spec.create_worker(kv, engine=engine)
+    return spec, worker, kv
+
+
+@pytest.fixture
+def gate():
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.mark.anyio
+async def test_store_then_load_round_trips_every_tensor(engine_id):
+    spec, worker, kv = build(engine_id, block_size=32)
+    try:
+        stored = await worker.store([4, 5, 9, 1], [3, 0])
+        assert stored.success and stored.transfer_bytes == 2 * 2 * 4096
+        loaded = await worker.load([0, 3], [20, 21, 22, 23])
+        assert loaded.success
+        for tensor in kv:
+            assert torch.equal(tensor[[9, 1, 4, 5]], tensor[[20, 21, 22, 23]])
+    finally:
+        spec.shutdown()
+
+
+def test_a_chunk_packs_tensor_after_tensor_in_the_column(engine_id):
+    spec, worker, kv = build(engine_id, block_size=32)
+    manager = spec.get_manager()
+    try:
+        worker.submit_store(1, [6, 7], [2])
+        [result] = worker.get_finished()
+        assert result.job_id == 1 and result.success
+        row = bytes(manager.region.primary_view[2])
+        layer0, layer1 = (t.numpy().tobytes() for t in (kv[0][6:8], kv[1][6:8]))
+        assert row[: len(layer0)] == layer0
+        assert row[len(layer0) : len(layer0) + len(layer1)] == layer1
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("gpu_ids", "chunk_ids", "message"),
+    [
+        ([1], [0], "need 2 gpu_block_ids"),
+        ([1, 2], [99], r"chunk_ids must lie in \[0, "),
+        ([1, NUM_GPU_BLOCKS], [0], r"gpu_block_ids must lie in \[0, 32\)"),
+        ([1, 2, 3, 4], [5, 5], "must not repeat"),
+        ([[1, 2]], [0], "one-dimensional"),
+        (["a", "b"], [0], "sequence of integers"),
+    ],
+)
+def test_bad_ids_are_rejected_before_anything_is_copied(engine_id, gpu_ids, chunk_ids, message):
+    spec, worker, _ = build(engine_id, block_size=32)
+    try:
+        with pytest.raises(ValueError, match=message):
+            worker.submit_store(1, gpu_ids, chunk_ids)
+        assert worker.get_finished() == []
+    finally:
+        spec.shutdown()
+
+
+def test_a_load_must_not_write_one_gpu_block_twice(engine_id):
+    spec, worker, _ = build(engine_id)
+    try:
+        with pytest.raises(ValueError, match="gpu_block_ids of a load must not repeat"):
+            worker.submit_load(1, [0, 1], [4, 4])
+    finally:
+        spec.shutdown()
+
+
+def test_kv_tensors_must_match_kv_bytes_per_block(engine_id):
+    spec = OffloadingSpecFactory.create_spec(make_config(engine_id, kv_bytes_per_block=8192))
+    with pytest.raises(ValueError, match=r"hold 4096 bytes per GPU block.*kv_bytes_per_block"):
+        spec.create_worker(kv_tensors())
+    spec.shutdown()
+
+
+def test_kv_tensors_must_have_contiguous_blocks(engine_id):
+    spec = OffloadingSpecFactory.create_spec(make_config(engine_id, kv_bytes_per_block=4096))
+    transposed = torch.zeros((512, NUM_GPU_BLOCKS), dtype=torch.int64).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        spec.create_worker([transposed])
+    spec.shutdown()
+
+
+def wait_finished(worker, count):
+    results = []
+    deadline = threading.Event()
+    for _ in range(3000):
+        results += worker.get_finished()
+        if len(results) >= count:
+            return results
+        deadline.wait(0.01)
+    raise AssertionError(f"only {len(results)} of {count} jobs finished")
+
+
+def test_sync_jobs_finish_through_the_waiter(engine_id, gate):
+    engine = ThreadedCopyEngine(gate=gate)
+    spec, worker, kv = build(engine_id, engine=engine)
+    try:
+        worker.submit_store(7, [3], [1])
+        worker.submit_store(8, [4], [2])
+        assert worker.get_finished() == []
+        assert worker.inflight == 2
+        gate.set()
+        results = wait_finished(worker, 2)
+        assert [(r.job_id, r.success) for r in results] == [(7, True), (8, True)]
+        # Loads run on their own lane: the host issues them once the store completed.
+        worker.submit_load(9, [1], [30])
+        [loaded] = wait_finished(worker, 1)
+        assert loaded.job_id == 9 and loaded.success
+        assert torch.equal(kv[0][3], kv[0][30])
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.anyio
+async def test_awaiting_a_copy_does_not_block_the_loop(engine_id, gate):
+    engine = ThreadedCopyEngine(gate=gate)
+    spec, worker, _ = build(engine_id, engine=engine)
+    try:
+        task = asyncio.ensure_future(worker.store([2], [0]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not task.done()
+        gate.set()
+        result = await asyncio.wait_for(task, 30)
+        assert result.success
+    finally:
+        await asyncio.to_thread(spec.shutdown)
+
+
+@pytest.mark.anyio
+async def test_cancelling_the_waiter_never_cancels_or_tears_the_copy(engine_id, gate):
+    engine = ThreadedCopyEngine(gate=gate)
+    spec, worker, kv = build(engine_id, engine=engine)
+    manager = spec.get_manager()
+    try:
+        task = asyncio.ensure_future(worker.store([5], [4]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert worker.inflight == 1
+        gate.set()
+        await worker.aclose()
+        assert worker.inflight == 0
+        assert engine.copies_started == 1
+        assert bytes(manager.region.primary_view[4][:3072]) == kv[0][5].numpy().tobytes()
+    finally:
+        await asyncio.to_thread(spec.shutdown)
+
+
+def test_close_waits_for_copies_in_flight(engine_id, gate):
+    engine = ThreadedCopyEngine(gate=gate)
+    spec, worker, kv = build(engine_id, engine=engine)
+    manager = spec.get_manager()
+    worker.submit_store(1, [9], [2])
+    closer = threading.Thread(target=worker.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive(), "close returned while a copy was still in flight"
+    gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert bytes(manager.region.primary_view[2][:3072]) == kv[0][9].numpy().tobytes()
+    with pytest.raises(KVTierError, match="closed"):
+        worker.submit_store(2, [1], [1])
+    spec.shutdown()
+
+
+@pytest.mark.anyio
+async def test_a_failed_copy_is_reported_not_raised(engine_id):
+    engine = ThreadedCopyEngine()
+    engine.fail_next()
+    spec, worker, _ = build(engine_id, engine=engine)
+    try:
+        result = await worker.store([1], [1])
+        assert not result.success
+        assert (await worker.store([1], [1])).success
+    finally:
+        await asyncio.to_thread(spec.shutdown)
+
+
+def test_two_ranks_fill_one_row_together(engine_id):
+    config0 = make_config(engine_id, kv_bytes_per_block=4096, world_size=2, rank=0)
+    config1 = make_config(engine_id, kv_bytes_per_block=4096, world_size=2, rank=1)
+    spec0 = OffloadingSpecFactory.create_spec(config0)
+    spec1 = OffloadingSpecFactory.create_spec(config1)
+    manager = spec0.get_manager()
+    kv0, kv1 = kv_tensors(0), kv_tensors(1)
+    worker0 = spec0.create_worker(kv0)
+    worker1 = spec1.create_worker(kv1)
+    try:
+        worker0.submit_store(1, [4], [7])
+        worker1.submit_store(1, [4], [7])
+        row = bytes(manager.region.primary_view[7])
+        assert row[:3072] == kv0[0][4].numpy().tobytes()
+        assert row[4096 : 4096 + 3072] == kv1[0][4].numpy().tobytes()
+    finally:
+        spec1.shutdown()
+        spec0.shutdown()
+
+
+def test_worker_rejects_kv_tensors_on_an_unsupported_device(engine_id):
+    spec = OffloadingSpecFactory.create_spec(make_config(engine_id, kv_bytes_per_block=4096))
+    meta = torch.empty((NUM_GPU_BLOCKS, 1024), dtype=torch.float32, device="meta")
+    with pytest.raises(ValueError, match="no copy engine"):
+        spec.create_worker([meta])
+    spec.shutdown()
+
+
+def test_region_side_for_a_worker_has_no_scheduler_views(engine_id):
+    with (
+        SharedOffloadRegion(
+            engine_id, num_chunks=2, chunk_bytes=4096, column_bytes=4096, world_size=1, rank=0
+        ) as region,
+        pytest.raises(KVTierError, match="scheduler side"),
+    ):
+        _ = region.primary_view
