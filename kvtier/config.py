@@ -24,6 +24,7 @@ __all__ = [
     "ChunkGeometry",
     "ConfigReader",
     "OffloadingConfig",
+    "storage_namespace",
 ]
 
 #: Rows of the primary region are padded to whole pages so every row can be mapped,
@@ -328,3 +329,16 @@ def _kind(value: object) -> str:
     if isinstance(value, str):
         return f"the string {value!r}"
     return f"a {type(value).__name__}"
+
+
+def storage_namespace(config: OffloadingConfig, geometry: ChunkGeometry) -> str:
+    """The identity of a chunk's bytes: stores under different namespaces never mix.
+
+    Anything that changes what the bytes of a chunk mean is in it: the model, the KV
+    dtype, the chunk geometry, the number of workers and the layout version.
+    """
+    return (
+        f"kvtier/v{FORMAT_VERSION};model={config.model_name};dtype={config.kv_dtype};"
+        f"tokens={geometry.tokens_per_chunk};world={geometry.world_size};"
+        f"column={geometry.column_bytes};chunk={geometry.chunk_bytes}"
+    )

@@ -27,6 +27,7 @@ __all__ = [
     "MetricsRecorder",
     "Names",
     "cpu_metric_definitions",
+    "tiering_metric_definitions",
 ]
 
 
@@ -62,6 +63,28 @@ class Names:
     CPU_ALLOCATION_SIZE = "kvtier_cpu_allocation_size"
     CPU_EVICTIONS = "kvtier_cpu_evictions"
 
+    # Tiering manager, labelled by tier ("0:primary", "1:fs", ...)
+    LOOKUP_SYNC_DELAY = "kvtier_tiering_lookup_sync_delay_seconds"
+    LOOKUP_ASYNC_DELAY = "kvtier_tiering_lookup_async_delay_seconds"
+    READ_BYTES = "kvtier_tiering_read_bytes"
+    READ_TIME = "kvtier_tiering_read_time"
+    WRITE_BYTES = "kvtier_tiering_write_bytes"
+    WRITE_TIME = "kvtier_tiering_write_time"
+    PROMOTION_JOB_FAILURES = "kvtier_tiering_promotion_job_failures"
+    CASCADE_JOB_FAILURES = "kvtier_tiering_cascade_job_failures"
+    CHUNK_QUERIES = "kvtier_tiering_chunk_queries"
+    CHUNK_HITS = "kvtier_tiering_chunk_hits"
+    PROMOTION_ALLOCATION_FAILURES = "kvtier_tiering_promotion_allocation_failures"
+    PRIMARY_WRITE_USAGE_PERC = "kvtier_tiering_primary_write_usage_perc"
+    PRIMARY_READ_USAGE_PERC = "kvtier_tiering_primary_read_usage_perc"
+    ACTIVE_PROMOTION_JOBS = "kvtier_tiering_active_promotion_jobs"
+    ACTIVE_CASCADE_JOBS = "kvtier_tiering_active_cascade_jobs"
+    BACKPRESSURE_STORE_LATENCY_EMA = "kvtier_tiering_backpressure_store_latency_ema"
+    BACKPRESSURE_STORES_DROPPED = "kvtier_tiering_backpressure_stores_dropped"
+    BACKPRESSURE_BLOCKS_DROPPED = "kvtier_tiering_backpressure_blocks_dropped"
+    PROMOTION_LATENCY = "kvtier_tiering_promotion_latency_seconds"
+    INTEGRITY_FAILURES = "kvtier_tiering_integrity_failures"
+
 
 def cpu_metric_definitions(store_threshold: int) -> dict[str, MetricDefinition]:
     """The CPU spec's metrics; ``stores_skipped`` exists only when the gate is on."""
@@ -82,6 +105,80 @@ def cpu_metric_definitions(store_threshold: int) -> dict[str, MetricDefinition]:
             "Chunks not stored because they had been looked up fewer than store_threshold times."
         )
     return definitions
+
+
+_TIER = ("tier",)
+
+
+def tiering_metric_definitions() -> dict[str, MetricDefinition]:
+    """The tiering manager's metrics (the seed's set plus kvtier's own)."""
+    return {
+        Names.LOOKUP_SYNC_DELAY: HistogramDef(
+            "Time a tier took to answer a chunk lookup on the spot, by tier, in seconds.",
+            _TIER,
+            # In-memory answers take microseconds; anything near a millisecond is a
+            # scheduler stall worth seeing.
+            buckets=(1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05),
+        ),
+        Names.LOOKUP_ASYNC_DELAY: HistogramDef(
+            "Time from a chunk lookup first answering retry until its tier resolved it, "
+            "by tier, in seconds.",
+            _TIER,
+            # One to a few scheduler steps (tens of ms) is the expected range.
+            buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0),
+        ),
+        Names.READ_BYTES: CounterDef(
+            "Bytes read from secondary tiers into the primary tier, by tier.", _TIER
+        ),
+        Names.READ_TIME: CounterDef(
+            "Seconds spent reading from secondary tiers into the primary tier, by tier.", _TIER
+        ),
+        Names.WRITE_BYTES: CounterDef(
+            "Bytes written from the primary tier to secondary tiers, by tier.", _TIER
+        ),
+        Names.WRITE_TIME: CounterDef(
+            "Seconds spent writing from the primary tier to secondary tiers, by tier.", _TIER
+        ),
+        Names.PROMOTION_JOB_FAILURES: CounterDef(
+            "Promotion jobs (secondary -> primary) that failed, by tier.", _TIER
+        ),
+        Names.CASCADE_JOB_FAILURES: CounterDef(
+            "Cascade jobs (primary -> secondary) that failed, by tier.", _TIER
+        ),
+        Names.CHUNK_QUERIES: CounterDef("Chunk lookups a tier answered, by tier.", _TIER),
+        Names.CHUNK_HITS: CounterDef("Chunk lookups a tier answered with a hit, by tier.", _TIER),
+        Names.PROMOTION_ALLOCATION_FAILURES: CounterDef(
+            "Secondary-tier hits that found no free primary slot to promote into."
+        ),
+        Names.PRIMARY_WRITE_USAGE_PERC: GaugeDef(
+            "Share of primary slots being written by promotions from a tier, by tier.", _TIER
+        ),
+        Names.PRIMARY_READ_USAGE_PERC: GaugeDef(
+            "Share of primary slots pinned by cascades to a tier, by tier.", _TIER
+        ),
+        Names.ACTIVE_PROMOTION_JOBS: GaugeDef("Promotion jobs in flight, by tier.", _TIER),
+        Names.ACTIVE_CASCADE_JOBS: GaugeDef("Cascade jobs in flight, by tier.", _TIER),
+        Names.BACKPRESSURE_STORE_LATENCY_EMA: GaugeDef(
+            "Moving average of a tier's store latency, in seconds per MiB, by tier.", _TIER
+        ),
+        Names.BACKPRESSURE_STORES_DROPPED: CounterDef(
+            "Cascade jobs dropped because their tier was under back-pressure, by tier.", _TIER
+        ),
+        Names.BACKPRESSURE_BLOCKS_DROPPED: CounterDef(
+            "Chunks of cascade jobs dropped under back-pressure, by tier.", _TIER
+        ),
+        Names.PROMOTION_LATENCY: HistogramDef(
+            "Time from a secondary-tier hit until its chunks were readable in the primary "
+            "tier, per promotion job, by tier, in seconds.",
+            _TIER,
+            buckets=(1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.09, 0.25, 0.5, 1.0, 2.5, 10.0),
+        ),
+        Names.INTEGRITY_FAILURES: CounterDef(
+            "Stored chunks that failed verification (checksum, length, key or namespace) "
+            "and were discarded instead of served, by tier.",
+            _TIER,
+        ),
+    }
 
 
 class MetricsRecorder:

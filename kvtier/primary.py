@@ -8,6 +8,7 @@ from kvtier.errors import StateError
 from kvtier.keys import OffloadKey, format_key
 from kvtier.policies.base import CachePolicy
 from kvtier.records import (
+    EventLog,
     LoadStoreSpec,
     LookupResult,
     Medium,
@@ -68,7 +69,7 @@ class PrimaryTier:
         self._free: list[int] = list(range(num_chunks - 1, -1, -1))
         self.num_evictable = 0
         self.num_writing = 0
-        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._events = EventLog(enable_events)
         self.prepare_read = self.prepare_load
         self.complete_read = self.complete_load
         self.prepare_write = self.prepare_store
@@ -181,8 +182,7 @@ class PrimaryTier:
                 self._free.append(current.slot)
                 evicted.append(key)
             self.num_evictable -= len(victims)
-            if self._events is not None:
-                self._events.append(OffloadingEvent(tuple(evicted), self.medium, True, self.label))
+            self._events.add(evicted, self.medium, True, self.label)
         free = self._free
         slots: list[int] = []
         policy = self.policy
@@ -219,17 +219,37 @@ class PrimaryTier:
                 del records[key]
                 policy.remove(key)
                 self._free.append(record.slot)
-        if done and self._events is not None:
-            self._events.append(OffloadingEvent(tuple(done), self.medium, False, self.label))
+        self._events.add(done, self.medium, False, self.label)
         return done
+
+    def detach(self, keys: Iterable[OffloadKey]) -> list[int]:
+        """Forget keys being written without freeing their slots, which are returned.
+
+        For a write that was given up while its I/O may still be running: the keys
+        become misses at once, and the slots go back with :meth:`free_slots` only once
+        the I/O has stopped.
+        """
+        slots: list[int] = []
+        for key in keys:
+            record = self.records.get(key)
+            if record is None or record.ref_cnt != -1:
+                continue
+            del self.records[key]
+            self.policy.remove(key)
+            self.num_writing -= 1
+            slots.append(record.slot)
+        return slots
+
+    def free_slots(self, slots: Iterable[int]) -> None:
+        """Return slots taken out by :meth:`detach`."""
+        self._free.extend(slots)
 
     # -------------------------------------------------------------- lifecycle
 
     def reset(self) -> None:
         """Forget every key. The caller guarantees no copy touches a slot any more."""
-        readable = tuple(key for key, record in self.records.items() if record.ref_cnt >= 0)
-        if readable and self._events is not None:
-            self._events.append(OffloadingEvent(readable, self.medium, True, self.label))
+        readable = [key for key, record in self.records.items() if record.ref_cnt >= 0]
+        self._events.add(readable, self.medium, True, self.label)
         self.records.clear()
         self.policy.clear()
         self._free = list(range(self.num_chunks - 1, -1, -1))
@@ -237,7 +257,4 @@ class PrimaryTier:
         self.num_writing = 0
 
     def take_events(self) -> list[OffloadingEvent]:
-        if not self._events:
-            return []
-        events, self._events = self._events, []
-        return events
+        return self._events.take()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -10,6 +11,7 @@ from typing import Any, NamedTuple
 from kvtier.keys import OffloadKey
 
 __all__ = [
+    "EventLog",
     "LoadStoreSpec",
     "LookupResult",
     "Medium",
@@ -107,3 +109,23 @@ class TransferResult:
     transfer_bytes: int
     #: Seconds from submission until the copy was known to be complete.
     transfer_time: float
+
+
+class EventLog:
+    """Events appended by one thread and taken by another without losing any."""
+
+    __slots__ = ("_events", "enabled")
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._events: deque[OffloadingEvent] = deque()
+
+    def add(self, keys: Sequence[OffloadKey], medium: Medium, removed: bool, tier: str) -> None:
+        if self.enabled and keys:
+            self._events.append(OffloadingEvent(tuple(keys), medium, removed, tier))
+
+    def take(self) -> list[OffloadingEvent]:
+        events: list[OffloadingEvent] = []
+        while self._events:
+            events.append(self._events.popleft())
+        return events
