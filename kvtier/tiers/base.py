@@ -1,0 +1,166 @@
+"""The secondary-tier interface: a tier is an async class that moves bytes.
+
+A tier sits behind the primary tier: it stores chunks the primary tier cascades to it
+and loads chunks back into primary slots when a lookup finds them there. The framework
+(:mod:`kvtier.tiering`) owns everything else: it runs each job as a task on the tier
+event loop, bounds how many run at once, times them out, turns exceptions into failed
+results, batches and caches lookups, measures bytes and seconds, applies back-pressure
+and drains the tier on shutdown. A tier is just I/O.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvtier.config import ConfigReader
+from kvtier.keys import OffloadKey
+from kvtier.metrics import MetricDefinition, MetricsRecorder
+from kvtier.records import Medium, OffloadingEvent
+from kvtier.region import PrimaryView
+
+__all__ = ["JobResult", "SecondaryTier", "TierContext", "TierCounters", "TransferJob"]
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """One batch of chunks for a tier to move.
+
+    For a store (cascade) the slots ``chunk_ids[i]`` hold the bytes of ``keys[i]`` and
+    stay pinned until the job ends. For a load (promotion, ``is_promotion``) the slots
+    are allocated for ``keys[i]`` and the tier writes into them; nobody reads them
+    before the job ends.
+    """
+
+    job_id: int
+    keys: tuple[OffloadKey, ...]
+    chunk_ids: tuple[int, ...]
+    is_promotion: bool
+    req_id: str
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a tier reports for one job.
+
+    ``successful_keys`` (loads only) names the keys that were loaded when only some
+    were; None means all keys share the fate ``success`` says. ``transfer_bytes`` and
+    ``transfer_time`` default to the framework's own measurement.
+    """
+
+    job_id: int
+    success: bool
+    successful_keys: Sequence[OffloadKey] | None = None
+    transfer_bytes: int | None = None
+    transfer_time: float | None = None
+
+
+class TierCounters:
+    """Counts a tier reports from its coroutines; the manager flushes them each step."""
+
+    __slots__ = ("integrity_failures",)
+
+    def __init__(self) -> None:
+        self.integrity_failures = 0
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What the framework gives a tier.
+
+    ``primary_view[chunk_id]`` is the whole row of that primary slot, a writable
+    memoryview over the shared region (no copy). ``chunk_bytes`` is the length of every
+    row. ``namespace`` names the identity of the bytes (model, dtype, geometry, format);
+    a tier must never serve bytes stored under another namespace.
+    """
+
+    primary_view: PrimaryView
+    chunk_bytes: int
+    namespace: str
+    tier_name: str
+    #: The key path of this tier's configuration, e.g. ``secondary_tiers[1]``.
+    config_path: str = "secondary_tiers[0]"
+    model_name: str = ""
+    metrics: MetricsRecorder = field(default_factory=lambda: MetricsRecorder({}))
+    counters: TierCounters = field(default_factory=TierCounters)
+
+    def read(self, params: Mapping[str, Any]) -> ConfigReader:
+        """A reader over this tier's parameters whose errors name ``config_path``."""
+        return ConfigReader(params, self.config_path)
+
+    def report_integrity_failure(self, count: int = 1) -> None:
+        """Count stored chunks found corrupt, truncated or foreign (and not served)."""
+        self.counters.integrity_failures += count
+
+
+class SecondaryTier(ABC):
+    """One tier behind the primary tier.
+
+    Subclasses set :attr:`medium`, take their parameters as keyword arguments
+    (``type``, ``module_path`` and the framework's own keys never reach them), and
+    implement :meth:`lookup`, :meth:`store` and :meth:`load`.
+
+    Every coroutine runs on the tier event loop and must never block it: file and
+    checksum work goes to a thread (``anyio.to_thread.run_sync`` with a bounded
+    limiter), network work to async I/O. A tier never touches manager state; it only
+    reads and writes the primary slots of the job it is running. Raising from
+    :meth:`store` or :meth:`load` fails the job (a counted miss), as does exceeding
+    the job timeout; the framework logs it once with context.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    #: ``"local"`` or ``"remote"``; picks the default back-pressure water marks.
+    locality: ClassVar[str] = "local"
+
+    def __init__(self, ctx: TierContext, **params: Any) -> None:
+        self.ctx = ctx
+
+    async def start(self) -> None:  # noqa: B027 - tiers without setup need nothing here
+        """Open connections or scan an index. Raising aborts the manager's start."""
+
+    @abstractmethod
+    async def lookup(self, keys: Sequence[OffloadKey]) -> Sequence[bool]:
+        """Whether each key can be loaded from this tier now (one answer per key)."""
+
+    @abstractmethod
+    async def store(self, job: TransferJob) -> JobResult:
+        """Copy the pinned slots ``job.chunk_ids`` into the tier under ``job.keys``."""
+
+    @abstractmethod
+    async def load(self, job: TransferJob) -> JobResult:
+        """Copy ``job.keys`` from the tier into the slots ``job.chunk_ids``.
+
+        Every byte written into a slot must be verified before the job reports it as
+        loaded: a key whose bytes cannot be verified is a failed key, never served.
+        """
+
+    def contains(self, key: OffloadKey) -> bool | None:
+        """Answer a lookup at once from memory: True, False, or None to ask :meth:`lookup`.
+
+        Runs on the scheduler's thread, on its hot path: it must be a dictionary probe,
+        never I/O.
+        """
+        return None
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """Record a use of ``keys`` for the tier's own eviction. Runs on the scheduler's
+        thread: in-memory bookkeeping only."""
+
+    def on_request_finished(self, req_id: str) -> None:  # noqa: B027 - optional hook
+        """The request left the scheduler and none of its stores is pending any more."""
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Store and removal events of this tier since the last call."""
+        return []
+
+    async def aclose(self) -> None:  # noqa: B027 - tiers without resources need nothing here
+        """Release connections and files. Jobs have drained when this is called."""
+
+    @classmethod
+    def build_metric_definitions(
+        cls, tier_config: Mapping[str, Any]
+    ) -> dict[str, MetricDefinition]:
+        """Metrics this tier records through ``ctx.metrics``, by name."""
+        return {}

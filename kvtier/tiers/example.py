@@ -1,0 +1,89 @@
+"""The example tier: an in-memory dictionary, and the model for writing a tier.
+
+Copy this file to start a tier of your own. Everything a tier must do is here: read its
+parameters, answer lookups, copy bytes out of pinned primary slots on ``store`` and
+into allocated slots on ``load``, and report events. Everything else (tasks,
+concurrency, timeouts, failures, metrics, back-pressure) is the framework's.
+
+Configuration::
+
+    {"type": "example", "custom_param": 67}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvtier.keys import OffloadKey
+from kvtier.metrics import CounterDef, MetricDefinition
+from kvtier.records import Medium, OffloadingEvent
+from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
+
+__all__ = ["ExampleTier"]
+
+STORED_CHUNKS = "kvtier_example_stored_chunks"
+
+
+class ExampleTier(SecondaryTier):
+    """Keeps chunks as ``bytes`` in a dictionary (no capacity limit).
+
+    ``custom_param`` (int, default 0) does nothing but show how a tier reads and
+    validates a parameter.
+    """
+
+    medium = Medium.CPU
+
+    def __init__(self, ctx: TierContext, **params: Any) -> None:
+        super().__init__(ctx)
+        settings = ctx.read(params)
+        self.custom_param: int = settings.integer("custom_param", 0)
+        settings.reject_unknown()
+        self._chunks: dict[OffloadKey, bytes] = {}
+        self._events: list[OffloadingEvent] = []
+
+    @classmethod
+    def build_metric_definitions(
+        cls, tier_config: Mapping[str, Any]
+    ) -> dict[str, MetricDefinition]:
+        return {STORED_CHUNKS: CounterDef("Chunks the example tier stored.", ("tier",))}
+
+    def contains(self, key: OffloadKey) -> bool | None:
+        # A dictionary probe is instant, so the scheduler never has to retry.
+        return key in self._chunks
+
+    async def lookup(self, keys: Sequence[OffloadKey]) -> Sequence[bool]:
+        return [key in self._chunks for key in keys]
+
+    async def store(self, job: TransferJob) -> JobResult:
+        view = self.ctx.primary_view
+        stored = []
+        for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True):
+            if key not in self._chunks:
+                self._chunks[key] = bytes(view[chunk_id])
+                stored.append(key)
+        if stored:
+            self._events.append(
+                OffloadingEvent(tuple(stored), self.medium, False, self.ctx.tier_name)
+            )
+            self.ctx.metrics.inc(STORED_CHUNKS, len(stored), (self.ctx.tier_name,))
+        return JobResult(job.job_id, True)
+
+    async def load(self, job: TransferJob) -> JobResult:
+        view = self.ctx.primary_view
+        loaded = []
+        for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True):
+            chunk = self._chunks.get(key)
+            if chunk is not None:
+                view[chunk_id][:] = chunk
+                loaded.append(key)
+        return JobResult(job.job_id, len(loaded) == len(job.keys), successful_keys=loaded)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def forget(self, key: OffloadKey) -> None:
+        """Drop one chunk (tests use this to make a tier lose data)."""
+        if self._chunks.pop(key, None) is not None:
+            self._events.append(OffloadingEvent((key,), self.medium, True, self.ctx.tier_name))
