@@ -25,6 +25,7 @@ class OffloadingSpecFactory:
         "spec_module_path",
     )
     _registry.register("CPUOffloadingSpec", "kvtier.specs.cpu", "CPUOffloadingSpec")
+    _registry.register("TieringOffloadingSpec", "kvtier.specs.tiering", "TieringOffloadingSpec")
 
     @classmethod
     def register_spec(

@@ -1,0 +1,154 @@
+"""The primary tier plus an ordered list of secondary tiers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kvtier.config import ConfigReader, storage_namespace
+from kvtier.errors import ConfigError
+from kvtier.metrics import MetricDefinition, tiering_metric_definitions
+from kvtier.primary import PrimaryTier
+from kvtier.specs.cpu import CPUOffloadingSpec
+from kvtier.tiering.backpressure import DEFAULT_MARKS, BackpressureSettings
+from kvtier.tiering.manager import TieringOffloadingManager, TierOptions
+from kvtier.tiering.runner import RunnerSettings
+from kvtier.tiers.base import SecondaryTier, TierContext
+from kvtier.tiers.factory import SecondaryTierFactory
+
+__all__ = ["TieringOffloadingSpec"]
+
+logger = logging.getLogger(__name__)
+
+
+class TieringOffloadingSpec(CPUOffloadingSpec):
+    """The CPU primary tier with ``secondary_tiers`` behind it.
+
+    Each entry of ``secondary_tiers`` is a mapping with a ``type`` (``example``,
+    ``fs``, a registered name, or a class name with ``module_path``), the tier's own
+    parameters, and optionally the framework's keys: ``name`` (label suffix),
+    ``backpressure``, ``locality`` (``local``/``remote``), ``max_concurrent_jobs``,
+    ``job_timeout_s`` and ``lookup_timeout_s``. A top-level ``backpressure`` mapping
+    supplies defaults, merged field by field under each tier's own.
+    """
+
+    def read_settings(self, reader: ConfigReader) -> None:
+        super().read_settings(reader)
+        if self.store_threshold >= 2:
+            raise ConfigError(
+                "store_threshold",
+                "is not supported by TieringOffloadingSpec (every stored chunk cascades); "
+                "use 0, or CPUOffloadingSpec",
+            )
+        self.tier_configs: list[Mapping[str, Any]] = reader.mapping_list("secondary_tiers", [])
+        default_backpressure = reader.mapping("backpressure", None)
+        self.tier_classes: list[type[SecondaryTier]] = []
+        self.tier_options: list[TierOptions] = []
+        for i, tier_config in enumerate(self.tier_configs):
+            path = f"secondary_tiers[{i}]"
+            tier_class = SecondaryTierFactory.get_tier_class(tier_config, path)
+            self.tier_classes.append(tier_class)
+            self.tier_options.append(
+                _tier_options(tier_config, tier_class, default_backpressure, path)
+            )
+        self.namespace = storage_namespace(self.config, self.geometry)
+
+    def _check_no_tiers(self, reader: ConfigReader) -> None:
+        return  # this spec is the one that has them
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: Mapping[str, Any]
+    ) -> dict[str, MetricDefinition]:
+        definitions = super().build_metric_definitions(extra_config)
+        definitions.update(tiering_metric_definitions())
+        tiers = extra_config.get("secondary_tiers", [])
+        if not isinstance(tiers, list):
+            raise ConfigError("secondary_tiers", "expected a list of tier mappings")
+        for i, tier_config in enumerate(tiers):
+            tier_class = SecondaryTierFactory.get_tier_class(tier_config, f"secondary_tiers[{i}]")
+            definitions.update(tier_class.build_metric_definitions(tier_config))
+        return definitions
+
+    def get_manager(self) -> TieringOffloadingManager:
+        """Build the region, primary tier, tiers and manager; start the tiers.
+
+        A synchronous host gets a started manager. Called inside a running event loop,
+        the manager shares that loop and the host must ``await manager.start()``. If any
+        step fails, everything built so far is closed (region included) and the error
+        propagates.
+        """
+        if self._manager is not None:
+            return self._manager
+        region = self.open_region(None)
+        tiers: list[SecondaryTier] = []
+        manager: TieringOffloadingManager | None = None
+        try:
+            metrics = self.new_metrics()
+            for i, tier_config in enumerate(self.tier_configs):
+                name = tier_config.get("name") or tier_config["type"]
+                ctx = TierContext(
+                    primary_view=region.primary_view,
+                    chunk_bytes=self.chunk_bytes,
+                    namespace=self.namespace,
+                    tier_name=f"{i + 1}:{name}",
+                    config_path=f"secondary_tiers[{i}]",
+                    model_name=self.config.model_name,
+                    metrics=metrics,
+                )
+                tiers.append(SecondaryTierFactory.create_tier(tier_config, ctx))
+            primary = PrimaryTier(
+                self.num_chunks,
+                self.policy_class(self.num_chunks),
+                enable_events=self.config.enable_kv_events,
+            )
+            manager = TieringOffloadingManager(
+                primary,
+                tiers=tiers,
+                tier_options=self.tier_options,
+                region=region,
+                metrics=metrics,
+            )
+            if not manager.owns_loop:
+                self._manager = manager
+                return manager
+            manager.start_blocking()
+        except BaseException:
+            if manager is not None:
+                manager.shutdown()  # closes the region and stops the manager's loop
+            else:
+                region.close()
+            raise
+        logger.info(
+            "tiering: %d primary chunks of %d bytes, tiers %s",
+            self.num_chunks,
+            self.chunk_bytes,
+            ", ".join(manager.tier_labels),
+        )
+        self._manager = manager
+        return manager
+
+
+def _tier_options(
+    tier_config: Mapping[str, Any],
+    tier_class: type[SecondaryTier],
+    default_backpressure: Mapping[str, Any] | None,
+    path: str,
+) -> TierOptions:
+    reader = ConfigReader(tier_config, path)
+    locality = reader.string("locality", tier_class.locality, choices=tuple(DEFAULT_MARKS))
+    name = reader.string("name", None)
+    if name is not None and (":" in name or not name.isprintable()):
+        raise ConfigError(f"{path}.name", "expected a printable name without ':'")
+    runner = RunnerSettings(
+        max_concurrent_jobs=reader.integer("max_concurrent_jobs", 8, minimum=1),
+        job_timeout_s=reader.number("job_timeout_s", 30.0, minimum=0, exclusive_minimum=True),
+        lookup_timeout_s=reader.number("lookup_timeout_s", 5.0, minimum=0, exclusive_minimum=True),
+    )
+    own = reader.mapping("backpressure", None)
+    backpressure = None
+    if own is not None or default_backpressure is not None:
+        merged = {**(default_backpressure or {}), **(own or {})}
+        backpressure = BackpressureSettings.parse(merged, f"{path}.backpressure", locality)
+    return TierOptions(runner=runner, backpressure=backpressure)
