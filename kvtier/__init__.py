@@ -5,6 +5,7 @@ The names below are the public contract; everything else may move between releas
 
 from kvtier.config import OffloadingConfig
 from kvtier.errors import ConfigError
+from kvtier.facade import KVTier
 from kvtier.keys import OffloadKey, key_block_hash, key_group_idx, make_offload_key
 from kvtier.policies import CachePolicy, CachePolicyFactory
 from kvtier.records import (
@@ -15,8 +16,14 @@ from kvtier.records import (
     ScheduleEndContext,
 )
 from kvtier.region import SharedOffloadRegion
-from kvtier.specs import CPUOffloadingSpec, OffloadingSpec, OffloadingSpecFactory
+from kvtier.specs import (
+    CPUOffloadingSpec,
+    OffloadingSpec,
+    OffloadingSpecFactory,
+    TieringOffloadingSpec,
+)
 from kvtier.tiering import TieringOffloadingManager
+from kvtier.tiers import JobResult, SecondaryTier, SecondaryTierFactory, TierContext, TransferJob
 
 __version__ = "0.1.0"
 
@@ -25,6 +32,8 @@ __all__ = [
     "CachePolicy",
     "CachePolicyFactory",
     "ConfigError",
+    "JobResult",
+    "KVTier",
     "LookupResult",
     "Medium",
     "OffloadKey",
@@ -34,8 +43,13 @@ __all__ = [
     "OffloadingSpecFactory",
     "ReqContext",
     "ScheduleEndContext",
+    "SecondaryTier",
+    "SecondaryTierFactory",
     "SharedOffloadRegion",
+    "TierContext",
     "TieringOffloadingManager",
+    "TieringOffloadingSpec",
+    "TransferJob",
     "key_block_hash",
     "key_group_idx",
     "make_offload_key",
