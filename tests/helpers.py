@@ -35,3 +35,26 @@ def make_config(
 def keys(prefix: str, count: int, group: int = 0) -> list[OffloadKey]:
     """``count`` distinct keys, the same for the same prefix."""
     return [make_offload_key(f"{prefix}-{i}".encode().ljust(16, b"."), group) for i in range(count)]
+
+
+def tiering_config(
+    engine_id: str,
+    tiers: list[dict[str, Any]],
+    *,
+    chunks: int = 8,
+    kv_bytes_per_block: int = 4096,
+    **extra: Any,
+) -> OffloadingConfig:
+    """A TieringOffloadingSpec config with ``chunks`` primary slots."""
+    return make_config(
+        engine_id,
+        kv_bytes_per_block=kv_bytes_per_block,
+        spec_name="TieringOffloadingSpec",
+        cpu_bytes_to_use=chunks * kv_bytes_per_block,
+        secondary_tiers=tiers,
+        **extra,
+    )
+
+
+def scripted(tag: str, **params: Any) -> dict[str, Any]:
+    return {"type": "ScriptedTier", "module_path": "scripted_tier", "tag": tag, **params}

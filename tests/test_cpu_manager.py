@@ -115,10 +115,19 @@ def test_reset_cache_forgets_the_primary(engine_id):
 
 
 @pytest.mark.anyio
-async def test_async_helpers_resolve_at_once_without_tiers(engine_id):
+async def test_async_helpers_follow_the_stores_in_flight(engine_id):
+    import asyncio
+
     spec, manager = manager_for(engine_id)
-    await manager.wait_for_completions()
-    await manager.drain()
+    await manager.drain()  # nothing in flight
+    [key] = keys("async", 1)
+    out = manager.prepare_store([key], REQ)
+    assert out is not None
+    waiter = asyncio.ensure_future(manager.wait_for_completions())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    manager.complete_store([key], REQ)
+    await asyncio.wait_for(waiter, 5)
     await manager.aclose()
     await manager.aclose()
     assert manager.region is not None and manager.region.closed

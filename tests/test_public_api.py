@@ -1,8 +1,6 @@
 import kvtier
 
-# DESIGN section 9, in the order it lists them. KVTier, SecondaryTier,
-# SecondaryTierFactory, TierContext, TransferJob, JobResult and
-# TieringOffloadingSpec arrive with the tiering engine.
+# DESIGN section 9, in the order it lists them.
 DESIGN_NAMES = [
     "OffloadKey",
     "make_offload_key",
@@ -17,11 +15,18 @@ DESIGN_NAMES = [
     "ConfigError",
     "OffloadingSpec",
     "CPUOffloadingSpec",
+    "TieringOffloadingSpec",
     "OffloadingSpecFactory",
     "TieringOffloadingManager",
     "CachePolicy",
     "CachePolicyFactory",
+    "SecondaryTier",
+    "SecondaryTierFactory",
+    "TierContext",
+    "TransferJob",
+    "JobResult",
     "SharedOffloadRegion",
+    "KVTier",
 ]
 
 

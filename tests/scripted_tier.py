@@ -1,0 +1,108 @@
+"""A plug-in tier whose behaviour tests script: gates, failures, partial loads.
+
+It is a real :class:`SecondaryTier` (the framework runs it exactly like a built-in
+tier) that keeps chunks in memory, like the example tier, and lets a test hold its
+coroutines at a gate, make them raise, or lose chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from kvtier import JobResult, SecondaryTier, TierContext, TransferJob
+from kvtier.keys import OffloadKey
+from kvtier.records import EventLog, Medium, OffloadingEvent
+
+
+class ScriptedTier(SecondaryTier):
+    """In-memory tier with knobs. ``instances`` keeps every tier built, by name."""
+
+    medium = Medium.STORAGE
+    instances: ClassVar[dict[str, ScriptedTier]] = {}
+
+    def __init__(self, ctx: TierContext, **params: Any) -> None:
+        super().__init__(ctx)
+        settings = ctx.read(params)
+        self.name: str = settings.string("tag", ctx.tier_name)
+        #: Answer lookups from memory (True) or only through the async lookup (False).
+        self.instant: bool = settings.boolean("instant", False)
+        self.fail_start: bool = settings.boolean("fail_start", False)
+        settings.reject_unknown()
+        self.chunks: dict[OffloadKey, bytes] = {}
+        self.events = EventLog()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail_stores = False
+        self.fail_loads = False
+        self.lose_on_load: set[OffloadKey] = set()
+        self.ignore_cancel = False
+        self.lookup_calls: list[tuple[OffloadKey, ...]] = []
+        self.load_jobs: list[TransferJob] = []
+        self.store_jobs: list[TransferJob] = []
+        self.finished_requests: list[str] = []
+        self.started = False
+        self.closed = False
+        ScriptedTier.instances[self.name] = self
+
+    async def start(self) -> None:
+        if self.fail_start:
+            raise RuntimeError(f"tier {self.name} refuses to start")
+        self.started = True
+
+    def contains(self, key: OffloadKey) -> bool | None:
+        return (key in self.chunks) if self.instant else None
+
+    async def lookup(self, keys: Sequence[OffloadKey]) -> Sequence[bool]:
+        self.lookup_calls.append(tuple(keys))
+        await self._pass_gate()
+        return [key in self.chunks for key in keys]
+
+    async def store(self, job: TransferJob) -> JobResult:
+        self.store_jobs.append(job)
+        await self._pass_gate()
+        if self.fail_stores:
+            raise OSError(5, "scripted store failure")
+        view = self.ctx.primary_view
+        for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True):
+            self.chunks[key] = bytes(view[chunk_id])
+        self.events.add(job.keys, self.medium, False, self.ctx.tier_name)
+        return JobResult(job.job_id, True)
+
+    async def load(self, job: TransferJob) -> JobResult:
+        self.load_jobs.append(job)
+        await self._pass_gate()
+        if self.fail_loads:
+            raise OSError(5, "scripted load failure")
+        view = self.ctx.primary_view
+        loaded = []
+        for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True):
+            if key in self.lose_on_load or key not in self.chunks:
+                continue
+            view[chunk_id][:] = self.chunks[key]
+            loaded.append(key)
+        return JobResult(job.job_id, len(loaded) == len(job.keys), successful_keys=loaded)
+
+    def on_request_finished(self, req_id: str) -> None:
+        self.finished_requests.append(req_id)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return self.events.take()
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    async def _pass_gate(self) -> None:
+        if self.ignore_cancel:
+            # Like a thread that cannot be interrupted: finish waiting even if cancelled.
+            while not self.gate.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(self.gate.wait())
+            return
+        await self.gate.wait()
+
+    @classmethod
+    def build_metric_definitions(cls, tier_config: Mapping[str, Any]) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,136 @@
+"""Back-pressure: the detector on a test clock, and its effect through the manager."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import keys, scripted, tiering_config
+from scripted_tier import ScriptedTier
+
+from kvtier import OffloadingSpecFactory, ReqContext
+from kvtier.metrics import Names
+from kvtier.tiering.backpressure import Backpressure, BackpressureSettings
+
+MIB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def detector(**settings):
+    clock = Clock()
+    return Backpressure(BackpressureSettings(**settings), clock), clock
+
+
+def slow(bp, count=1, seconds_per_mib=0.05):
+    for _ in range(count):
+        bp.record(seconds_per_mib, MIB)
+
+
+def test_no_judgement_during_warmup():
+    bp, _ = detector(warmup=3)
+    slow(bp, 2)
+    assert not bp.pressured
+    slow(bp, 1)
+    assert bp.pressured
+
+
+def test_hysteresis_between_high_and_low_marks():
+    bp, _ = detector(warmup=0, high_water=0.01, low_water=0.002, cooldown_s=0.0, alpha=1.0)
+    bp.record(0.02, MIB)
+    assert bp.pressured
+    bp.record(0.005, MIB)  # between the marks: stays pressured
+    assert bp.pressured
+    bp.record(0.001, MIB)
+    assert not bp.pressured
+
+
+def test_pressure_clears_only_after_the_cooldown():
+    bp, clock = detector(warmup=0, high_water=0.01, low_water=0.002, cooldown_s=1.0, alpha=1.0)
+    bp.record(0.02, MIB)
+    bp.record(0.001, MIB)
+    assert bp.pressured
+    clock.now += 1.5
+    bp.record(0.001, MIB)
+    assert not bp.pressured
+
+
+def test_idle_decay_lets_a_fully_dropped_tier_recover():
+    bp, clock = detector(policy="drop", warmup=0, decay_half_life_s=2.0, cooldown_s=0.0)
+    slow(bp, 3, 0.05)
+    assert not bp.admit(1)
+    clock.now += 30  # no cascade reached the tier: the average decays
+    assert bp.admit(1)
+
+
+def test_drop_policy_drops_every_cascade_and_counts_chunks():
+    bp, _ = detector(policy="drop", warmup=0)
+    slow(bp, 3)
+    assert [bp.admit(4) for _ in range(3)] == [False] * 3
+    assert bp.take_dropped() == (3, 12)
+    assert bp.take_dropped() == (0, 0)
+
+
+def test_throttled_policy_drops_a_share_growing_to_all_at_three_times_high():
+    bp, _ = detector(warmup=0, high_water=0.01, alpha=1.0)
+    bp.record(0.02, MIB)  # halfway from the high mark to three times it
+    admitted = sum(bp.admit(1) for _ in range(100))
+    assert admitted == 50
+    bp.record(0.03, MIB)
+    assert sum(bp.admit(1) for _ in range(10)) == 0
+
+
+def test_a_failure_counts_as_pressure():
+    bp, _ = detector(warmup=0, alpha=1.0)
+    bp.record(0.0, MIB, failed=True)
+    assert bp.pressured
+
+
+def test_small_stores_are_not_inflated_per_mib():
+    bp, _ = detector(warmup=0, alpha=1.0, high_water=0.005)
+    bp.record(0.0005, 4096)  # 0.5 ms for 4 KiB is no sign of pressure
+    assert not bp.pressured
+
+
+@pytest.mark.anyio
+async def test_a_slow_tier_gets_its_cascades_dropped_and_counted_while_loads_still_run(engine_id):
+    tiers = [
+        scripted(
+            "pressure",
+            instant=True,
+            backpressure={"policy": "drop", "warmup": 1, "high_water": 1e-6, "low_water": 1e-7},
+        )
+    ]
+    spec = OffloadingSpecFactory.create_spec(tiering_config(engine_id, tiers, chunks=16))
+    manager = spec.get_manager()
+    await manager.start()
+    tier = ScriptedTier.instances["pressure"]
+    try:
+        writer = ReqContext("w")
+        for i in range(6):
+            ks = keys(f"bp{i}", 1)
+            out = manager.prepare_store(ks, writer)
+            assert out is not None
+            manager.complete_store(ks, writer)
+            await manager.drain()
+        manager.on_schedule_end()
+        label = {"tier": "1:ScriptedTier"}
+        dropped = manager.metrics.sample(f"{Names.BACKPRESSURE_STORES_DROPPED}_total", label)
+        assert dropped == 5  # the first cascade set the average; every later one dropped
+        assert len(tier.store_jobs) == 1
+        assert manager.metrics.sample(f"{Names.BACKPRESSURE_STORE_LATENCY_EMA}", label) > 1e-6
+        # Promotions are never dropped.
+        [stored] = tier.store_jobs[0].keys
+        manager.primary.reset()
+        reader = ReqContext("r")
+        manager.lookup(stored, reader)
+        manager.on_schedule_end()
+        await manager.drain()
+        assert len(tier.load_jobs) == 1
+    finally:
+        await manager.aclose()
+        spec.shutdown()

@@ -1,0 +1,182 @@
+"""KVTier: the await-based facade over the manager and one worker."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import keys, make_config, scripted, tiering_config
+from scripted_tier import ScriptedTier
+
+from kvtier import KVTier
+from kvtier.errors import KVTierError
+from kvtier.region import region_path
+from kvtier.worker import ThreadedCopyEngine
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 4096
+
+
+def cache(seed=0, blocks=64):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 255, (blocks, BLOCK), dtype=torch.uint8, generator=gen)
+
+
+def example_config(engine_id, chunks=8, **extra):
+    return tiering_config(engine_id, [{"type": "example"}], chunks=chunks, **extra)
+
+
+async def test_store_lookup_load_round_trip(engine_id):
+    kv_cache = cache()
+    async with KVTier(example_config(engine_id), [kv_cache]) as kv:
+        ks = keys("facade", 4)
+        assert await kv.store(ks, [0, 1, 2, 3], "w") == 4
+        assert await kv.store(ks, [0, 1, 2, 3], "w") == 0  # already stored
+        assert await kv.lookup(ks, "r") == 4
+        assert await kv.load(ks, [10, 11, 12, 13], "r") == 4
+        assert torch.equal(kv_cache[10:14], kv_cache[0:4])
+
+
+async def test_lookup_counts_leading_keys_and_stops_at_the_first_miss(engine_id):
+    async with KVTier(example_config(engine_id), [cache()]) as kv:
+        a, b, c = keys("prefix", 3)
+        await kv.store([a, c], [0, 1], "w")
+        assert await kv.lookup([a, b, c], "r") == 1
+        kv.finish("r")
+
+
+async def test_chunks_come_back_from_a_secondary_tier_after_eviction(engine_id):
+    kv_cache = cache()
+    async with KVTier(example_config(engine_id, chunks=4), [kv_cache]) as kv:
+        first = keys("early", 4)
+        await kv.store(first, [0, 1, 2, 3], "w1")
+        await kv.drain()
+        await kv.store(keys("late", 4), [4, 5, 6, 7], "w2")
+        await kv.drain()
+        assert kv.manager.readable_prefix(first) == 0
+        assert await kv.lookup(first, "r", timeout=10) == 4
+        assert await kv.load(first, [20, 21, 22, 23], "r") == 4
+        assert torch.equal(kv_cache[20:24], kv_cache[0:4])
+
+
+async def test_a_long_prefix_is_pinned_as_it_is_promoted_so_it_cannot_thrash(engine_id):
+    async with KVTier(example_config(engine_id, chunks=4), [cache()]) as kv:
+        long_prefix = keys("long", 6)
+        for i in range(0, 6, 2):
+            await kv.store(long_prefix[i : i + 2], [i, i + 1], f"w{i}")
+            await kv.drain()
+        await kv.reset()
+        found = await kv.lookup(long_prefix, "r", timeout=10)
+        assert found == 4  # what fits, held; the rest found no slot
+        assert await kv.load(long_prefix[:found], [30, 31, 32, 33], "r") == 4
+
+
+async def test_lookup_returns_within_its_timeout_when_a_tier_does_not_answer(engine_id):
+    config = tiering_config(engine_id, [scripted("silent")], chunks=4)
+    async with KVTier(config, [cache()]) as kv:
+        tier = ScriptedTier.instances["silent"]
+        tier.gate.clear()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await kv.lookup(keys("nothing", 2), "r", timeout=0.2) == 0
+        assert loop.time() - started < 5
+        kv.finish("r")
+        tier.gate.set()
+
+
+async def test_shutdown_does_not_hang_on_a_tier_that_never_returns(engine_id):
+    tier_config = scripted("hung", lookup_timeout_s=0.05, job_timeout_s=0.05, shutdown_grace_s=0.1)
+    config = tiering_config(engine_id, [tier_config], chunks=4)
+    async with KVTier(config, [cache()]) as kv:
+        tier = ScriptedTier.instances["hung"]
+        tier.gate.clear()
+        tier.ignore_cancel = False
+        assert await kv.lookup(keys("never", 1), "r", timeout=1) == 0
+        kv.finish("r")
+    assert tier.closed
+
+
+async def test_a_store_finishes_even_when_its_caller_is_cancelled(engine_id):
+    gate = threading.Event()
+    async with KVTier(
+        example_config(engine_id), [cache()], engine=ThreadedCopyEngine(gate=gate)
+    ) as kv:
+        ks = keys("cancelled", 2)
+        task = asyncio.ensure_future(kv.store(ks, [3, 4], "w"))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        await kv.drain()
+        assert kv.manager.readable_prefix(ks) == 2
+
+
+async def test_a_store_with_no_room_waits_for_cascades_then_stores(engine_id):
+    config = tiering_config(engine_id, [scripted("busy")], chunks=2)
+    async with KVTier(config, [cache()]) as kv:
+        tier = ScriptedTier.instances["busy"]
+        tier.gate.clear()
+        assert await kv.store(keys("first", 2), [0, 1], "w1") == 2  # both now pinned
+        waiting = asyncio.ensure_future(kv.store(keys("second", 2), [2, 3], "w2"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        tier.gate.set()
+        assert await asyncio.wait_for(waiting, 10) == 2
+
+
+async def test_store_gives_up_when_nothing_could_free_a_slot(engine_id):
+    async with KVTier(make_config(engine_id, cpu_bytes_to_use=2 * BLOCK), [cache()]) as kv:
+        pinned = keys("pinned", 2)
+        await kv.store(pinned, [0, 1], "w")
+        assert await kv.lookup(pinned, "holder") == 2  # pinned until loaded or finished
+        assert await kv.store(keys("more", 1), [2], "w2", timeout=5) == 0
+        kv.finish("holder")
+        assert await kv.store(keys("more", 1), [2], "w2") == 1
+
+
+async def test_bad_block_ids_are_rejected(engine_id):
+    async with KVTier(example_config(engine_id), [cache()]) as kv:
+        with pytest.raises(ValueError, match="need 2 gpu_block_ids"):
+            await kv.store(keys("bad", 2), [1], "w")
+
+
+async def test_a_closed_or_unopened_facade_says_so(engine_id):
+    kv = KVTier(example_config(engine_id), [cache()])
+    with pytest.raises(KVTierError, match="not open"):
+        await kv.lookup(keys("x", 1), "r")
+    await kv.aclose()
+
+
+async def test_open_and_aclose_release_everything(engine_id):
+    kv = await KVTier.open(example_config(engine_id), [cache()])
+    await kv.store(keys("bye", 2), [0, 1], "w")
+    await kv.aclose()
+    await kv.aclose()
+    assert not region_path(engine_id).exists()
+    assert kv.manager.region.closed
+
+
+async def test_cpu_spec_works_behind_the_facade_too(engine_id):
+    kv_cache = cache()
+    async with KVTier(make_config(engine_id, cpu_bytes_to_use=8 * BLOCK), [kv_cache]) as kv:
+        ks = keys("cpu", 3)
+        assert await kv.store(ks, [0, 1, 2], "w") == 3
+        assert await kv.lookup(ks, "r") == 3
+        assert await kv.load(ks, [5, 6, 7], "r") == 3
+        assert torch.equal(kv_cache[5:8], kv_cache[0:3])
+
+
+def test_the_example_host_runs(tmp_path):
+    script = Path(__file__).parent.parent / "examples" / "async_host.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "round 2 user 7: 16 of 16 chunks cached" in result.stdout

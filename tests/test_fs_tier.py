@@ -1,0 +1,347 @@
+"""The fs tier on real files: layout, verification, restarts, capacity, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import multiprocessing
+import os
+import subprocess
+from pathlib import Path
+
+import fs_procs
+import pytest
+import torch
+from helpers import keys, tiering_config
+
+from kvtier import KVTier, ReqContext
+from kvtier.metrics import Names
+from kvtier.tiers.fs import FileSystemTier
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 16 * 1024  # bytes per GPU block; one block per chunk
+GPU_BLOCKS = 64
+
+
+def kv_tensor(seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 255, (GPU_BLOCKS, BLOCK), dtype=torch.uint8, generator=gen)
+
+
+def fs_config(engine_id, root, *, chunks=4, model="test-model", **tier):
+    return tiering_config(
+        engine_id,
+        [{"type": "fs", "root_dir": str(root), **tier}],
+        chunks=chunks,
+        kv_bytes_per_block=BLOCK,
+        model_name=model,
+    )
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvt"))
+
+
+def fs_tier(kv: KVTier) -> FileSystemTier:
+    tier = kv.manager.tiers[0]
+    assert isinstance(tier, FileSystemTier)
+    return tier
+
+
+async def store_all(kv: KVTier, ks, first_block: int = 0) -> None:
+    """Store ``ks`` a primary-full at a time, so every key reaches the fs tier."""
+    size = kv.manager.primary.num_chunks
+    for i in range(0, len(ks), size):
+        part = ks[i : i + size]
+        blocks = list(range(first_block + i, first_block + i + len(part)))
+        assert await kv.store(part, blocks, f"w{i}") == len(part)
+        await kv.drain()
+
+
+async def forget_primary(kv: KVTier) -> None:
+    await kv.reset()
+
+
+async def test_chunks_survive_primary_eviction_and_come_back_byte_exact(engine_id, tmp_path):
+    kv_cache = kv_tensor()
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_cache]) as kv:
+        ks = keys("roundtrip", 8)
+        await store_all(kv, ks)
+        await forget_primary(kv)
+        assert await kv.lookup(ks[:4], "reader", timeout=30) == 4
+        assert await kv.load(ks[:4], [40, 41, 42, 43], "reader") == 4
+        assert torch.equal(kv_cache[40:44], kv_cache[0:4])
+
+
+async def test_files_follow_the_documented_layout(engine_id, tmp_path):
+    async with KVTier(fs_config(engine_id, tmp_path, model="org/Model-7B"), [kv_tensor()]) as kv:
+        [key] = keys("layout", 1)
+        await store_all(kv, [key])
+        tier = fs_tier(kv)
+        [namespace_dir] = [p for p in tmp_path.iterdir() if p.is_dir()]
+        assert namespace_dir.name.startswith("org_Model-7B_")
+        description = json.loads((namespace_dir / "namespace.json").read_text())
+        assert description["namespace"] == kv.manager.tiers[0].ctx.namespace
+        path = tier.path_of(key)
+        assert path == namespace_dir / key.hex()[:2] / f"{key.hex()}.kvt"
+        assert path.stat().st_size == 4096 + kv.manager.region.chunk_bytes
+        assert path.read_bytes()[:8] == b"KVTCHUNK"
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "append"])
+async def test_damaged_files_are_misses_removed_and_counted_never_served(
+    engine_id, tmp_path, damage
+):
+    kv_cache = kv_tensor()
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_cache]) as kv:
+        [key] = keys(f"damage-{damage}", 1)
+        await store_all(kv, [key])
+        path = fs_tier(kv).path_of(key)
+        data = bytearray(path.read_bytes())
+        if damage == "flip_payload":
+            data[-100] ^= 0x01
+        elif damage == "flip_header":
+            data[30] ^= 0x01
+        elif damage == "truncate":
+            data = data[:-1000]
+        else:
+            data += b"extra"
+        path.write_bytes(bytes(data))
+        await forget_primary(kv)
+        before = kv_cache[50].clone()
+        assert await kv.lookup([key], "reader", timeout=30) == 0
+        assert await kv.load([key], [50], "reader") == 0
+        assert torch.equal(kv_cache[50], before)
+        assert not path.exists()
+        kv.manager.on_schedule_end()
+        label = {"tier": "1:fs"}
+        assert kv.manager.metrics.sample(f"{Names.INTEGRITY_FAILURES}_total", label) == 1
+
+
+async def test_a_file_of_another_namespace_is_never_served(engine_id, tmp_path):
+    other_root = tmp_path / "other"
+    async with KVTier(fs_config(f"{engine_id}o", other_root, model="other"), [kv_tensor(1)]) as kv:
+        [key] = keys("foreign", 1)
+        await store_all(kv, [key])
+        foreign = fs_tier(kv).path_of(key)
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_tensor()]) as kv:
+        target = fs_tier(kv).path_of(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(foreign.read_bytes())
+        assert await kv.lookup([key], "reader", timeout=30) == 0
+        assert not target.exists()
+
+
+async def test_a_renamed_file_holding_another_key_is_never_served(engine_id, tmp_path):
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_tensor()]) as kv:
+        real, fake = keys("renamed", 2)
+        await store_all(kv, [real])
+        tier = fs_tier(kv)
+        tier.path_of(fake).parent.mkdir(parents=True, exist_ok=True)
+        os.link(tier.path_of(real), tier.path_of(fake))
+        await forget_primary(kv)
+        assert await kv.lookup([fake], "reader", timeout=30) == 0
+        assert await kv.lookup([real], "reader", timeout=30) == 1
+
+
+async def test_a_restarted_engine_finds_what_is_on_disk(engine_id, tmp_path):
+    kv_cache = kv_tensor()
+    ks = keys("restart", 6)
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_cache]) as kv:
+        await store_all(kv, ks)
+    fresh = kv_tensor(99)
+    async with KVTier(fs_config(engine_id, tmp_path, shared=False), [fresh]) as kv:
+        await fs_tier(kv).wait_scanned()
+        assert fs_tier(kv).indexed_keys == 6
+        assert await kv.lookup(ks[:4], "reader", timeout=30) == 4
+        assert await kv.load(ks[:4], [20, 21, 22, 23], "reader") == 4
+        assert torch.equal(fresh[20:24], kv_cache[0:4])
+
+
+async def test_capacity_evicts_least_recently_used_files(engine_id, tmp_path):
+    file_bytes = 4096 + BLOCK
+    async with KVTier(
+        fs_config(engine_id, tmp_path, capacity_bytes=5 * file_bytes), [kv_tensor()]
+    ) as kv:
+        old = keys("old", 4)
+        await store_all(kv, old)
+        tier = fs_tier(kv)
+        await tier.wait_scanned()
+        kv.manager.touch(old[:2], ReqContext("t"))
+        await store_all(kv, keys("new", 3), first_block=10)
+        assert tier.used_bytes <= 5 * file_bytes
+        remaining = {p.stem for p in chunk_files(tmp_path)}
+        assert {k.hex() for k in old[:2]} <= remaining  # recently touched: kept
+        assert not {k.hex() for k in old[2:]} & remaining
+
+
+async def test_two_processes_writing_the_same_keys_leave_whole_files(engine_id, tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=fs_procs.write_same_keys, args=(f"{engine_id}{i}", str(tmp_path), 16))
+        for i in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    assert not list(tmp_path.rglob("*.tmp"))
+    expected = fs_procs.pattern(7)
+    reader = torch.zeros_like(expected)
+    config = tiering_config(
+        engine_id,
+        [{"type": "fs", "root_dir": str(tmp_path)}],
+        chunks=16,
+        kv_bytes_per_block=fs_procs.BLOCK,
+        model_name="shared-model",
+    )
+    async with KVTier(config, [reader]) as kv:
+        ks = keys("shared", 16)
+        assert await kv.lookup(ks, "reader", timeout=60) == 16
+        assert await kv.load(ks, list(range(16)), "reader") == 16
+    assert torch.equal(reader[:16], expected[:16])
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str):
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    try:
+        yield mounted.returncode == 0
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", str(path)], check=False)
+
+
+class NoSpaceTier(FileSystemTier):
+    """Fails the write syscall with ENOSPC once a budget of bytes is spent."""
+
+    budget = 3 * (4096 + BLOCK)
+
+    @staticmethod
+    def _pwritev(fd, buffers, offset):
+        size = sum(len(b) for b in buffers)
+        if NoSpaceTier.budget < size:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        NoSpaceTier.budget -= size
+        return os.pwritev(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("how", ["small tmpfs", "failing syscall"])
+async def test_a_full_filesystem_fails_cascades_without_partial_files(engine_id, tmp_path, how):
+    root = tmp_path / "small"
+    with small_filesystem(root, "64k") as mounted:
+        if how == "small tmpfs":
+            if not mounted:
+                pytest.skip("this sandbox may not mount a filesystem")
+            config = fs_config(engine_id, root, chunks=4)
+            label = {"tier": "1:fs"}
+        else:
+            NoSpaceTier.budget = 3 * (4096 + BLOCK)
+            config = tiering_config(
+                engine_id,
+                [{"type": "NoSpaceTier", "module_path": __name__, "root_dir": str(root)}],
+                chunks=4,
+                kv_bytes_per_block=BLOCK,
+                model_name="test-model",
+            )
+            label = {"tier": "1:NoSpaceTier"}
+        async with KVTier(config, [kv_tensor()]) as kv:
+            ks = keys("full", 8)
+            await store_all(kv, ks)
+            kv.manager.on_schedule_end()
+            failures = kv.manager.metrics.sample(f"{Names.CASCADE_JOB_FAILURES}_total", label)
+            assert failures >= 1
+            assert not list(root.rglob("*.tmp"))
+            for path in chunk_files(root):
+                assert path.stat().st_size == 4096 + BLOCK  # whole files only
+            await forget_primary(kv)
+            present = [k for k in ks if await kv.lookup([k], f"r-{k.hex()}", timeout=30) == 1]
+            assert 0 < len(present) < len(ks)
+
+
+async def test_o_direct_writes_whole_verified_files(engine_id, tmp_path):
+    async with KVTier(fs_config(engine_id, tmp_path, o_direct="auto"), [kv_tensor()]) as kv:
+        tier = fs_tier(kv)
+        assert tier.o_direct is tier._o_direct_works()
+        [key] = keys("direct", 1)
+        await store_all(kv, [key])
+        assert tier.path_of(key).stat().st_size == 4096 + BLOCK
+        await forget_primary(kv)
+        assert await kv.lookup([key], "reader", timeout=30) == 1
+
+
+async def test_o_direct_can_be_turned_off(engine_id, tmp_path):
+    async with KVTier(fs_config(engine_id, tmp_path, o_direct=False), [kv_tensor()]) as kv:
+        assert fs_tier(kv).o_direct is False
+
+
+async def test_another_writer_s_files_are_found_when_shared(engine_id, tmp_path):
+    kv_cache = kv_tensor()
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_cache]) as reader:
+        await fs_tier(reader).wait_scanned()
+        [key] = keys("late", 1)
+        async with KVTier(fs_config(f"{engine_id}w", tmp_path), [kv_cache]) as writer:
+            await store_all(writer, [key])
+        assert await reader.lookup([key], "r", timeout=30) == 1
+
+
+async def test_stale_temporary_files_are_removed_at_start(engine_id, tmp_path):
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_tensor()]) as kv:
+        namespace_dir = fs_tier(kv).directory
+    stale = namespace_dir / "ab" / "abcd.kvt.123.deadbeef.tmp"
+    stale.parent.mkdir(exist_ok=True)
+    stale.write_bytes(b"torn")
+    os.utime(stale, (0, 0))
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_tensor()]) as kv:
+        await fs_tier(kv).wait_scanned()
+    assert not stale.exists()
+
+
+async def test_the_loop_keeps_ticking_while_the_fs_tier_moves_data(engine_id, tmp_path):
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def probe():
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            start = loop.time()
+            await asyncio.sleep(0.001)
+            lags.append(loop.time() - start - 0.001)
+
+    big = 1024 * 1024
+    count = 96
+    cache = torch.randint(0, 255, (count, big), dtype=torch.uint8)
+    config = tiering_config(
+        engine_id,
+        [{"type": "fs", "root_dir": str(tmp_path), "fsync": True}],
+        chunks=8,
+        kv_bytes_per_block=big,
+    )
+    async with KVTier(config, [cache]) as kv:
+        task = asyncio.ensure_future(probe())
+        ks = keys("lag", count)
+        for i in range(0, count, 8):
+            assert await kv.store(ks[i : i + 8], list(range(i, i + 8)), f"w{i}") == 8
+            await kv.drain()
+        for i in range(0, count, 8):
+            await forget_primary(kv)
+            assert await kv.lookup(ks[i : i + 8], f"r{i}", timeout=60) == 8
+            kv.finish(f"r{i}")
+        stop.set()
+        await task
+    lags.sort()
+    assert len(lags) > 50
+    median, p99 = lags[len(lags) // 2], lags[int(len(lags) * 0.99)]
+    # Every byte went through a thread, so the loop only waited for its own timers.
+    # (Doing the file I/O on the loop measured a 6 ms median here; this code 0.4 ms.)
+    assert median < 0.002, f"loop lag median {median * 1000:.1f} ms"
+    assert p99 < 0.025, f"loop lag p99 {p99 * 1000:.1f} ms"

@@ -1,0 +1,316 @@
+"""The tiering manager's protocol, run against plug-in tiers on the host's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from helpers import keys, scripted, tiering_config
+from scripted_tier import ScriptedTier
+
+from kvtier import LookupResult, OffloadingSpecFactory, ReqContext, TieringOffloadingManager
+from kvtier.metrics import Names
+
+pytestmark = pytest.mark.anyio
+
+HIT, PENDING, MISS, RETRY = (
+    LookupResult.HIT,
+    LookupResult.HIT_PENDING,
+    LookupResult.MISS,
+    LookupResult.RETRY,
+)
+
+
+@contextlib.asynccontextmanager
+async def opened(engine_id, tiers, **kw):
+    """A started manager on the test's event loop, always closed afterwards."""
+    spec = OffloadingSpecFactory.create_spec(tiering_config(engine_id, tiers, **kw))
+    manager = spec.get_manager()
+    try:
+        await manager.start()
+        yield manager
+    finally:
+        for tier in ScriptedTier.instances.values():
+            tier.gate.set()
+        await manager.aclose()
+        spec.shutdown()
+
+
+WRITER = ReqContext("writer")
+
+
+def fill(manager: TieringOffloadingManager, ks, req=WRITER) -> None:
+    """Store ``ks`` into the primary tier, writing a recognisable pattern into each slot."""
+    out = manager.prepare_store(ks, req)
+    assert out is not None
+    for key, slot in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+        row = manager.region.primary_view[slot]
+        row[:] = (key * (len(row) // len(key) + 1))[: len(row)]
+    manager.complete_store(ks, req)
+
+
+async def evict_all(manager, count: int) -> None:
+    """Push everything out of the primary tier with other keys, and let cascades end."""
+    fill(manager, keys("filler", count), ReqContext("filler"))
+    await manager.drain()
+
+
+async def settle(manager) -> None:
+    await manager.drain()
+
+
+async def resolve(manager, key, req) -> LookupResult:
+    """Look ``key`` up, stepping until the answer is no longer RETRY or HIT_PENDING."""
+    for _ in range(20):
+        result = manager.lookup(key, req)
+        if result in (HIT, MISS):
+            return result
+        manager.on_schedule_end()
+        await manager.wait_for_completions()
+    raise AssertionError("the lookup never settled")
+
+
+async def test_secondary_hit_is_promoted_and_served_with_the_stored_bytes(engine_id):
+    async with opened(engine_id, [{"type": "example"}], chunks=4) as manager:
+        [key] = keys("promote", 1)
+        fill(manager, [key])
+        await settle(manager)
+        original = bytes(manager.region.primary_view[manager.primary.slot_of(key)])
+        await evict_all(manager, 4)
+        req = ReqContext("reader")
+        assert manager.lookup(key, req) is PENDING  # example tier answers from memory
+        assert await resolve(manager, key, req) is HIT
+        spec_load = manager.prepare_load([key], req)
+        assert bytes(manager.region.primary_view[spec_load.chunk_ids[0]]) == original
+        manager.complete_load([key], req)
+
+
+async def test_unknown_keys_answer_retry_then_are_asked_in_one_batch_per_step(engine_id):
+    async with opened(engine_id, [scripted("batch")], chunks=4) as manager:
+        tier = ScriptedTier.instances["batch"]
+        ks = keys("batch", 3)
+        req = ReqContext("r")
+        assert [manager.lookup(k, req) for k in ks] == [RETRY] * 3
+        assert manager.has_pending_work()
+        manager.on_schedule_end()
+        await settle(manager)
+        assert tier.lookup_calls == [tuple(ks)]
+        assert [manager.lookup(k, req) for k in ks] == [MISS] * 3
+        assert len(tier.lookup_calls) == 1  # answers are kept for the request
+
+
+async def test_a_key_is_promoted_once_when_two_requests_ask_in_one_step(engine_id):
+    async with opened(engine_id, [scripted("once", instant=True)], chunks=4) as manager:
+        tier = ScriptedTier.instances["once"]
+        [key] = keys("once", 1)
+        fill(manager, [key])
+        await settle(manager)
+        await evict_all(manager, 4)
+        first, second = ReqContext("a"), ReqContext("b")
+        assert manager.lookup(key, first) is PENDING
+        assert manager.lookup(key, second) is PENDING
+        manager.on_schedule_end()
+        await settle(manager)
+        assert [job.keys for job in tier.load_jobs] == [(key,)]
+        assert manager.lookup(key, second) is HIT
+
+
+async def test_one_promotion_job_per_tier_and_request(engine_id):
+    async with opened(engine_id, [scripted("perreq", instant=True)], chunks=8) as manager:
+        tier = ScriptedTier.instances["perreq"]
+        ks = keys("perreq", 4)
+        fill(manager, ks)
+        await settle(manager)
+        await evict_all(manager, 8)
+        for key in ks[:3]:
+            manager.lookup(key, ReqContext("a"))
+        manager.lookup(ks[3], ReqContext("b"))
+        manager.on_schedule_end()
+        await settle(manager)
+        assert sorted((job.req_id, len(job.keys)) for job in tier.load_jobs) == [("a", 3), ("b", 1)]
+
+
+async def test_partial_promotion_frees_the_failed_slots_and_forgets_the_hit(engine_id):
+    async with opened(engine_id, [scripted("partial", instant=True)], chunks=4) as manager:
+        tier = ScriptedTier.instances["partial"]
+        good, bad = keys("partial", 2)
+        fill(manager, [good, bad])
+        await settle(manager)
+        await evict_all(manager, 4)
+        manager.primary.reset()  # an empty primary: every slot free
+        tier.lose_on_load.add(bad)
+        req = ReqContext("r")
+        assert manager.lookup(good, req) is PENDING
+        assert manager.lookup(bad, req) is PENDING
+        manager.on_schedule_end()
+        await settle(manager)
+        assert manager.lookup(good, req) is HIT
+        assert manager.primary.num_free == 3
+        del tier.chunks[bad]
+        assert manager.lookup(bad, req) is MISS  # asked again instead of trusting the old hit
+
+
+async def test_no_free_primary_slot_makes_a_secondary_hit_a_counted_miss(engine_id):
+    async with opened(engine_id, [scripted("full", instant=True)], chunks=2) as manager:
+        [key] = keys("full", 1)
+        fill(manager, [key])
+        await settle(manager)
+        pinned = keys("pinned", 2)
+        fill(manager, pinned)
+        await settle(manager)
+        manager.prepare_load(pinned, ReqContext("reader"))
+        assert manager.lookup(key, ReqContext("r")) is MISS
+        manager.on_schedule_end()
+        assert manager.metrics.sample(f"{Names.PROMOTION_ALLOCATION_FAILURES}_total") == 1
+        manager.complete_load(pinned, ReqContext("reader"))
+
+
+async def test_cascades_go_to_every_tier_and_pin_until_each_is_done(engine_id):
+    async with opened(engine_id, [scripted("c1"), scripted("c2")], chunks=4) as manager:
+        slow = ScriptedTier.instances["c2"]
+        slow.gate.clear()
+        [key] = keys("cascade", 1)
+        fill(manager, [key])
+        for _ in range(5):
+            await asyncio.sleep(0)
+        manager.on_schedule_end()  # a poll point: the fast tier's outcome is taken in
+        assert key in ScriptedTier.instances["c1"].chunks
+        assert manager.primary.records[key].ref_cnt == 1  # still pinned by the slow tier
+        assert manager.prepare_store(keys("other", 4), ReqContext("o")) is None
+        assert manager.lookup(key, ReqContext("r")) is HIT
+        slow.gate.set()
+        await settle(manager)
+        assert manager.primary.records[key].ref_cnt == 0
+        assert key in slow.chunks
+
+
+async def test_tiers_hear_a_request_finished_only_after_its_stores_completed(engine_id):
+    async with opened(engine_id, [scripted("fin")], chunks=4) as manager:
+        tier = ScriptedTier.instances["fin"]
+        req = ReqContext("req")
+        ks = keys("fin", 2)
+        assert manager.prepare_store(ks, req) is not None
+        manager.on_request_finished(req)
+        assert tier.finished_requests == []
+        manager.complete_store(ks, req)
+        assert tier.finished_requests == ["req"]
+
+
+async def test_a_failing_tier_is_a_counted_miss_not_an_error(engine_id, caplog):
+    async with opened(engine_id, [scripted("broken", instant=True)], chunks=4) as manager:
+        tier = ScriptedTier.instances["broken"]
+        tier.fail_stores = True
+        [key] = keys("broken", 1)
+        fill(manager, [key])
+        await settle(manager)
+        manager.on_schedule_end()
+        label = {"tier": "1:ScriptedTier"}
+        assert manager.metrics.sample(f"{Names.CASCADE_JOB_FAILURES}_total", label) == 1
+        assert "cascade job" in caplog.text and "scripted store failure" in caplog.text
+        tier.chunks[key] = b"\0" * manager.primary.num_chunks
+        tier.fail_loads = True
+        await evict_all(manager, 4)
+        req = ReqContext("r")
+        assert await resolve(manager, key, req) is MISS
+        manager.on_schedule_end()
+        assert manager.metrics.sample(f"{Names.PROMOTION_JOB_FAILURES}_total", label) == 1
+
+
+async def test_a_stuck_promotion_times_out_as_a_miss_and_keeps_its_slot_until_released(engine_id):
+    tier_config = scripted("stuck", instant=True, job_timeout_s=0.05)
+    async with opened(engine_id, [tier_config], chunks=2) as manager:
+        tier = ScriptedTier.instances["stuck"]
+        [key] = keys("stuck", 1)
+        fill(manager, [key])
+        await settle(manager)
+        await evict_all(manager, 2)
+        manager.primary.reset()
+        tier.gate.clear()
+        tier.ignore_cancel = True
+        req = ReqContext("r")
+        assert manager.lookup(key, req) is PENDING
+        manager.on_schedule_end()
+        while manager.lookup(key, req) is PENDING:
+            await manager.wait_for_completions()
+        assert manager.lookup(key, req) is MISS
+        assert manager.primary.num_free == 1  # the slot stays out until the I/O stops
+        tier.gate.set()
+        await settle(manager)
+        assert manager.primary.num_free == 2
+
+
+async def test_the_first_hit_in_tier_order_wins_and_unresolved_tiers_do_not_block_it(engine_id):
+    async with opened(
+        engine_id, [scripted("slowlookup"), scripted("fast", instant=True)], chunks=4
+    ) as manager:
+        first, second = ScriptedTier.instances["slowlookup"], ScriptedTier.instances["fast"]
+        [key] = keys("order", 1)
+        second.chunks[key] = b"x" * manager.region.chunk_bytes
+        first.gate.clear()
+        req = ReqContext("r")
+        assert manager.lookup(key, req) is PENDING  # tier 1 unresolved, tier 2 hit
+        manager.on_schedule_end()
+        first.gate.set()
+        await settle(manager)
+        assert manager.lookup(key, req) is HIT
+        assert [job.keys for job in second.load_jobs] == [(key,)]
+        assert first.load_jobs == []
+
+
+async def test_events_come_primary_first_then_each_tier(engine_id):
+    async with opened(engine_id, [{"type": "example"}], chunks=4, enable_kv_events=True) as manager:
+        [key] = keys("events", 1)
+        fill(manager, [key])
+        await settle(manager)
+        events = manager.take_events()
+        assert [(e.tier, e.removed, e.keys) for e in events] == [
+            ("0:primary", False, (key,)),
+            ("1:example", False, (key,)),
+        ]
+
+
+async def test_reset_cache_keeps_secondary_data(engine_id):
+    async with opened(engine_id, [{"type": "example"}], chunks=4) as manager:
+        [key] = keys("reset", 1)
+        fill(manager, [key])
+        await manager.areset_cache()
+        req = ReqContext("r")
+        assert manager.lookup(key, req) is PENDING
+        assert await resolve(manager, key, req) is HIT
+
+
+async def test_metrics_count_queries_hits_bytes_and_latency_per_tier(engine_id):
+    async with opened(engine_id, [{"type": "example"}], chunks=4) as manager:
+        ks = keys("metrics", 2)
+        fill(manager, ks)
+        await settle(manager)
+        await evict_all(manager, 4)
+        req = ReqContext("r")
+        for key in ks:
+            await resolve(manager, key, req)
+        manager.on_schedule_end()
+        sample = manager.metrics.sample
+        tier = {"tier": "1:example"}
+        assert sample(f"{Names.CHUNK_QUERIES}_total", tier) == 2
+        assert sample(f"{Names.CHUNK_HITS}_total", tier) == 2
+        assert (
+            sample(f"{Names.WRITE_BYTES}_total", tier) == 6 * manager.region.chunk_bytes
+        )  # + fillers
+        assert sample(f"{Names.READ_BYTES}_total", tier) == 2 * manager.region.chunk_bytes
+        assert sample(f"{Names.PROMOTION_LATENCY}_count", tier) >= 1
+        assert sample(f"{Names.CHUNK_HITS}_total", {"tier": "0:primary"}) >= 2
+
+
+async def test_shutdown_drains_jobs_and_closes_tiers_once(engine_id):
+    async with opened(engine_id, [scripted("drain")], chunks=4) as manager:
+        tier = ScriptedTier.instances["drain"]
+        tier.gate.clear()
+        fill(manager, keys("drain", 2))
+        closing = asyncio.ensure_future(manager.aclose())
+        await asyncio.sleep(0.05)
+        assert not closing.done()
+        tier.gate.set()
+        await closing
+        assert tier.closed and len(tier.chunks) == 2
+        assert manager.region.closed
