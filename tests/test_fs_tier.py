@@ -178,6 +178,25 @@ async def test_capacity_evicts_least_recently_used_files(engine_id, tmp_path):
         assert not {k.hex() for k in old[2:]} & remaining
 
 
+async def test_least_recently_used_order_survives_a_restart(engine_id, tmp_path):
+    file_bytes = 4096 + BLOCK
+    ks = keys("lru-restart", 4)
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_tensor()]) as kv:
+        await store_all(kv, ks)
+        tier = fs_tier(kv)
+        # ks[0] was used long ago, the others recently (a load refreshes the time).
+        for age, key in zip((10_000, 300, 200, 100), ks, strict=True):
+            stamp = tier.path_of(key).stat().st_mtime - age
+            os.utime(tier.path_of(key), (stamp, stamp))
+    config = fs_config(engine_id, tmp_path, capacity_bytes=4 * file_bytes)
+    async with KVTier(config, [kv_tensor()]) as kv:
+        await fs_tier(kv).wait_scanned()
+        await store_all(kv, keys("newcomer", 1), first_block=10)
+        remaining = {p.stem for p in chunk_files(tmp_path)}
+        assert ks[0].hex() not in remaining
+        assert {k.hex() for k in ks[1:]} <= remaining
+
+
 async def test_two_processes_writing_the_same_keys_leave_whole_files(engine_id, tmp_path):
     ctx = multiprocessing.get_context("spawn")
     procs = [
@@ -219,6 +238,36 @@ def small_filesystem(path: Path, size: str):
     finally:
         if mounted.returncode == 0:
             subprocess.run(["umount", str(path)], check=False)
+
+
+class FailingDiskTier(FileSystemTier):
+    """Fails the write syscall with EIO halfway through a chunk."""
+
+    @staticmethod
+    def _pwritev(fd, buffers, offset):
+        if offset > 0:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return os.pwritev(fd, buffers[:1], offset)  # a partial write first
+
+
+async def test_an_io_error_fails_the_cascade_and_leaves_no_partial_file(engine_id, tmp_path):
+    config = tiering_config(
+        engine_id,
+        [{"type": "FailingDiskTier", "module_path": __name__, "root_dir": str(tmp_path)}],
+        chunks=4,
+        kv_bytes_per_block=BLOCK,
+        model_name="test-model",
+    )
+    async with KVTier(config, [kv_tensor()]) as kv:
+        ks = keys("eio", 2)
+        await store_all(kv, ks)
+        kv.manager.on_schedule_end()
+        label = {"tier": "1:FailingDiskTier"}
+        assert kv.manager.metrics.sample(f"{Names.CASCADE_JOB_FAILURES}_total", label) == 1
+        assert chunk_files(tmp_path) == []
+        assert not list(tmp_path.rglob("*.tmp"))
+        await forget_primary(kv)
+        assert await kv.lookup(ks, "reader", timeout=30) == 0
 
 
 class NoSpaceTier(FileSystemTier):
