@@ -29,7 +29,8 @@ FRAMEWORK_KEYS = frozenset(
 
 
 class SecondaryTierFactory:
-    """Tier types by name: built-in (``example``, ``fs``), registered, or imported.
+    """Tier types by name: built-in (``example``, ``fs``, ``s3``/``obj``, ``p2p``),
+    registered, or imported.
 
     A tier configuration's ``type`` is a registered name, or the name of a
     :class:`SecondaryTier` subclass to import from its ``module_path``.
@@ -43,6 +44,9 @@ class SecondaryTierFactory:
     )
     _registry.register("example", "kvtier.tiers.example", "ExampleTier")
     _registry.register("fs", "kvtier.tiers.fs", "FileSystemTier")
+    _registry.register("s3", "kvtier.tiers.s3", "S3Tier")
+    _registry.register("obj", "kvtier.tiers.s3", "S3Tier")
+    _registry.register("p2p", "kvtier.tiers.p2p", "PeerTier")
 
     @classmethod
     def register_tier(
