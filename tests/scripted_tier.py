@@ -43,6 +43,7 @@ class ScriptedTier(SecondaryTier):
         self.load_jobs: list[TransferJob] = []
         self.store_jobs: list[TransferJob] = []
         self.finished_requests: list[str] = []
+        self.removed_from_primary: list[OffloadKey] = []
         self.started = False
         self.closed = False
         ScriptedTier.instances[self.name] = self
@@ -87,6 +88,9 @@ class ScriptedTier(SecondaryTier):
 
     def on_request_finished(self, req_id: str) -> None:
         self.finished_requests.append(req_id)
+
+    def on_primary_removed(self, keys: Sequence[OffloadKey]) -> None:
+        self.removed_from_primary.extend(keys)
 
     def take_events(self) -> list[OffloadingEvent]:
         return self.events.take()

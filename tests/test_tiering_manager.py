@@ -314,3 +314,34 @@ async def test_shutdown_drains_jobs_and_closes_tiers_once(engine_id):
         await closing
         assert tier.closed and len(tier.chunks) == 2
         assert manager.region.closed
+
+
+async def test_a_tier_can_pin_and_read_this_node_s_primary_chunks(engine_id):
+    async with opened(engine_id, [scripted("reader")], chunks=4) as manager:
+        tier = ScriptedTier.instances["reader"]
+        present, absent = keys("pin", 2)
+        fill(manager, [present])
+        await settle(manager)
+        expected = bytes(manager.region.primary_view[manager.primary.slot_of(present)])
+        async with tier.ctx.primary.pinned([present, absent]) as rows:
+            assert list(rows) == [present]
+            assert bytes(rows[present]) == expected
+            assert manager.primary.records[present].ref_cnt == 1
+            # A pinned chunk survives pressure to evict it.
+            assert manager.prepare_store(keys("push", 4), ReqContext("p")) is None
+        await asyncio.sleep(0)
+        manager.on_schedule_end()
+        assert manager.primary.records[present].ref_cnt == 0
+
+
+async def test_tiers_hear_which_keys_left_the_primary_tier(engine_id):
+    async with opened(engine_id, [scripted("removed")], chunks=2) as manager:
+        tier = ScriptedTier.instances["removed"]
+        first = keys("first", 2)
+        fill(manager, first)
+        await settle(manager)
+        fill(manager, keys("second", 1))
+        assert tier.removed_from_primary == first[:1]
+        await settle(manager)
+        await manager.areset_cache()
+        assert set(tier.removed_from_primary) >= {first[1], *keys("second", 1)}

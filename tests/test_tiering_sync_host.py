@@ -131,3 +131,21 @@ def test_shutdown_is_idempotent_and_stops_the_loop_thread(engine_id):
     manager.shutdown()
     spec.shutdown()
     assert manager.region.closed
+
+
+def test_pins_are_served_while_the_host_is_idle(engine_id):
+    import asyncio
+
+    spec, manager = build(engine_id, [scripted("sync-pin")], chunks=4)
+    try:
+        tier = ScriptedTier.instances["sync-pin"]
+        [key] = keys("idle-pin", 1)
+        store(manager, [key])
+        step_until(manager, lambda: not manager.has_pending_work())
+        future = asyncio.run_coroutine_threadsafe(tier.ctx.primary.pin([key]), manager._loop.loop)
+        rows = future.result(timeout=10)  # the host makes no call meanwhile
+        assert list(rows) == [key]
+        tier.ctx.primary.unpin([key])
+        step_until(manager, lambda: manager.primary.records[key].ref_cnt == 0)
+    finally:
+        spec.shutdown()

@@ -14,7 +14,7 @@ from kvtier.specs.cpu import CPUOffloadingSpec
 from kvtier.tiering.backpressure import DEFAULT_MARKS, BackpressureSettings
 from kvtier.tiering.manager import TieringOffloadingManager, TierOptions
 from kvtier.tiering.runner import RunnerSettings
-from kvtier.tiers.base import SecondaryTier, TierContext
+from kvtier.tiers.base import PrimaryAccess, SecondaryTier, TierContext
 from kvtier.tiers.factory import SecondaryTierFactory
 
 __all__ = ["TieringOffloadingSpec"]
@@ -96,6 +96,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                     config_path=f"secondary_tiers[{i}]",
                     model_name=self.config.model_name,
                     metrics=metrics,
+                    primary=PrimaryAccess(region.primary_view),
                 )
                 tiers.append(SecondaryTierFactory.create_tier(tier_config, ctx))
             primary = PrimaryTier(

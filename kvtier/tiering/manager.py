@@ -52,11 +52,15 @@ from kvtier.tiering.runner import (
     RunnerSettings,
     TierRunner,
 )
-from kvtier.tiers.base import SecondaryTier, TransferJob
+from kvtier.tiers.base import PinRequest, SecondaryTier, TransferJob, UnpinRequest
 
 __all__ = ["TierOptions", "TieringOffloadingManager"]
 
 logger = logging.getLogger(__name__)
+
+# How soon the tier loop retries applying tier outcomes when the host holds the lock:
+# the host's own calls drain them anyway; this bounds the wait of an idle host.
+_SERVE_RETRY_S = 0.001
 
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
@@ -308,12 +312,17 @@ class TieringOffloadingManager:
         self._loop: TierLoop | None = None
         self._start_task: asyncio.Future[None] | None = None
         self._started = not self._tiers
+        self._serve_scheduled = False
+        #: Pins tiers hold through PrimaryAccess, by key (released by UnpinRequest).
+        self._tier_pins: dict[OffloadKey, int] = {}
         if self._tiers:
             self._loop = TierLoop()
             for state in self._tiers:
                 state.runner = TierRunner(
                     state.index, state.tier, options[state.index].runner, self._post
                 )
+                if state.tier.ctx.primary is not None:
+                    state.tier.ctx.primary.bind(self._post)
         # Counters flushed to Prometheus once per step (see _flush_metrics).
         self._primary_queries = 0
         self._primary_hits = 0
@@ -341,14 +350,15 @@ class TieringOffloadingManager:
 
     def readable_prefix(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` are readable in the primary tier right now."""
-        if self._completions:
-            self._drain()
-        records = self._records
-        for count, key in enumerate(keys):
-            record = records.get(key)
-            if record is None or record.ref_cnt < 0:
-                return count
-        return len(keys)
+        with self.lock:
+            if self._completions:
+                self._drain()
+            records = self._records
+            for count, key in enumerate(keys):
+                record = records.get(key)
+                if record is None or record.ref_cnt < 0:
+                    return count
+            return len(keys)
 
     # ---------------------------------------------------------------- start
 
@@ -398,19 +408,20 @@ class TieringOffloadingManager:
 
     def lookup(self, key: OffloadKey, req: ReqContext) -> LookupResult:
         """Where ``key`` stands: HIT, HIT_PENDING, MISS or RETRY."""
-        if self._completions:
-            self._drain()
-        gate = self._gate
-        if gate is not None:
-            gate.count(key)
-        self._primary_queries += 1
-        record = self._records.get(key)
-        if record is not None:
-            self._primary_hits += 1
-            return _HIT if record.ref_cnt >= 0 else _HIT_PENDING
-        if not self._tiers:
-            return _MISS
-        return self._lookup_secondaries(key, req.req_id)
+        with self.lock:
+            if self._completions:
+                self._drain()
+            gate = self._gate
+            if gate is not None:
+                gate.count(key)
+            self._primary_queries += 1
+            record = self._records.get(key)
+            if record is not None:
+                self._primary_hits += 1
+                return _HIT if record.ref_cnt >= 0 else _HIT_PENDING
+            if not self._tiers:
+                return _MISS
+            return self._lookup_secondaries(key, req.req_id)
 
     def _lookup_secondaries(self, key: OffloadKey, req_id: str) -> LookupResult:
         retry = False
@@ -427,7 +438,9 @@ class TieringOffloadingManager:
         if out is None or not out.keys_to_store:
             self._allocation_failures += 1
             return _MISS
-        self._evictions += len(out.evicted_keys)
+        if out.evicted_keys:
+            self._evictions += len(out.evicted_keys)
+            self._primary_removed(out.evicted_keys)
         promotion = state.promotions.get(req_id)
         if promotion is None:
             promotion = state.promotions[req_id] = _Promotion(since=time.perf_counter())
@@ -439,21 +452,24 @@ class TieringOffloadingManager:
 
     def prepare_load(self, keys: Sequence[OffloadKey], req: ReqContext) -> LoadStoreSpec:
         """Pin ``keys`` (all HIT) for a primary -> GPU load; the spec gives their slots."""
-        if self._completions:
-            self._drain()
-        return self.primary.prepare_load(keys)
+        with self.lock:
+            if self._completions:
+                self._drain()
+            return self.primary.prepare_load(keys)
 
     def touch(self, keys: Sequence[OffloadKey], req: ReqContext) -> None:
         """Record a use of ``keys`` (first = head of the prefix) in every tier."""
-        self.primary.touch(keys)
-        for state in self._tiers:
-            state.tier.touch(keys)
+        with self.lock:
+            self.primary.touch(keys)
+            for state in self._tiers:
+                state.tier.touch(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey], req: ReqContext) -> None:
         """Unpin ``keys`` after the GPU read them."""
-        self.primary.complete_load(keys)
-        # A store waiting for room may now evict them.
-        self._signal.notify()
+        with self.lock:
+            self.primary.complete_load(keys)
+            # A store waiting for room may now evict them.
+            self._signal.notify()
 
     # --------------------------------------------------------------- stores
 
@@ -461,40 +477,44 @@ class TieringOffloadingManager:
         self, keys: Sequence[OffloadKey], req: ReqContext
     ) -> PrepareStoreOutput | None:
         """Allocate primary slots for the keys not stored yet; None if there is no room."""
-        if self._completions:
-            self._drain()
-        gate = self._gate
-        if gate is not None:
-            admitted = gate.admitted(keys)
-            self._stores_skipped += len(keys) - len(admitted)
-            keys = admitted
-        output = self.primary.prepare_store(keys)
-        if output is None:
-            return None
-        if output.keys_to_store:
-            self._allocation_sizes.append(len(output.keys_to_store))
-            self._evictions += len(output.evicted_keys)
-            state = self._requests.get(req.req_id)
-            if state is None:
-                state = self._requests[req.req_id] = _RequestState()
-            state.pending_stores += 1
-        return output
+        with self.lock:
+            if self._completions:
+                self._drain()
+            gate = self._gate
+            if gate is not None:
+                admitted = gate.admitted(keys)
+                self._stores_skipped += len(keys) - len(admitted)
+                keys = admitted
+            output = self.primary.prepare_store(keys)
+            if output is None:
+                return None
+            if output.keys_to_store:
+                self._allocation_sizes.append(len(output.keys_to_store))
+                if output.evicted_keys:
+                    self._evictions += len(output.evicted_keys)
+                    self._primary_removed(output.evicted_keys)
+                state = self._requests.get(req.req_id)
+                if state is None:
+                    state = self._requests[req.req_id] = _RequestState()
+                state.pending_stores += 1
+            return output
 
     def complete_store(
         self, keys: Sequence[OffloadKey], req: ReqContext, success: bool = True
     ) -> None:
         """Finish a GPU -> primary store; on success cascade the keys to every tier."""
-        done = self.primary.complete_store(keys, success)
-        if done and self._tiers and not self._closed:
-            for state in self._tiers:
-                self._cascade(state, done, req.req_id)
-        request = self._requests.get(req.req_id)
-        if request is not None and request.pending_stores > 0:
-            request.pending_stores -= 1
-            if request.finished and request.pending_stores == 0:
-                self._finish_request(req.req_id)
-        # Lookups that saw these keys pending may be waiting for them.
-        self._signal.notify()
+        with self.lock:
+            done = self.primary.complete_store(keys, success)
+            if done and self._tiers and not self._closed:
+                for state in self._tiers:
+                    self._cascade(state, done, req.req_id)
+            request = self._requests.get(req.req_id)
+            if request is not None and request.pending_stores > 0:
+                request.pending_stores -= 1
+                if request.finished and request.pending_stores == 0:
+                    self._finish_request(req.req_id)
+            # Lookups that saw these keys pending may be waiting for them.
+            self._signal.notify()
 
     def _cascade(self, state: _TierState, keys: list[OffloadKey], req_id: str) -> None:
         if state.backpressure is not None and not state.backpressure.admit(len(keys)):
@@ -515,11 +535,12 @@ class TieringOffloadingManager:
 
     def on_request_finished(self, req: ReqContext) -> None:
         """A request left the scheduler; tiers hear of it once its stores completed."""
-        request = self._requests.get(req.req_id)
-        if request is not None and request.pending_stores > 0:
-            request.finished = True
-            return
-        self._finish_request(req.req_id)
+        with self.lock:
+            request = self._requests.get(req.req_id)
+            if request is not None and request.pending_stores > 0:
+                request.finished = True
+                return
+            self._finish_request(req.req_id)
 
     def _finish_request(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -531,10 +552,11 @@ class TieringOffloadingManager:
 
     def on_schedule_end(self, ctx: ScheduleEndContext | None = None) -> None:
         """End of a step: drain, send the step's lookups and promotions, flush metrics."""
-        if self._completions:
-            self._drain()
-        self._launch_step()
-        self._flush_metrics()
+        with self.lock:
+            if self._completions:
+                self._drain()
+            self._launch_step()
+            self._flush_metrics()
 
     def _launch_step(self) -> None:
         if not self._tiers or self._closed:
@@ -562,20 +584,44 @@ class TieringOffloadingManager:
 
     def take_events(self) -> list[OffloadingEvent]:
         """Store and removal events since the last call: primary first, then each tier."""
-        events = self.primary.take_events()
-        for state in self._tiers:
-            events.extend(state.tier.take_events())
-        return events
+        with self.lock:
+            events = self.primary.take_events()
+            for state in self._tiers:
+                events.extend(state.tier.take_events())
+            return events
 
     def has_pending_work(self) -> bool:
         """Whether any job or lookup is queued or in flight."""
-        return bool(self._jobs) or any(state.busy for state in self._tiers)
+        with self.lock:
+            return bool(self._jobs) or any(state.busy for state in self._tiers)
 
     # ------------------------------------------------------------ completions
 
     def _post(self, outcome: object) -> None:
-        """Called by the runners, on the tier loop's thread."""
+        """Queue an outcome or request from the tier side (any thread)."""
         self._completions.append(outcome)
+        self._signal.notify()
+        if not self._serve_scheduled and self._loop is not None:
+            self._serve_scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: shutdown drains
+                self._loop.call(self._serve)
+
+    def _serve(self) -> None:
+        """On the tier loop: apply queued outcomes now rather than at the next poll point.
+
+        Tiers waiting for pins, and hosts waiting for completions, then need no scheduler
+        step. If the host holds the lock right now, try again in a millisecond.
+        """
+        assert self._loop is not None
+        if not self.lock.acquire(blocking=False):
+            self._loop.loop.call_later(_SERVE_RETRY_S, self._serve)
+            return
+        try:
+            self._serve_scheduled = False
+            if self._completions:
+                self._drain()
+        finally:
+            self.lock.release()
         self._signal.notify()
 
     def _drain(self) -> None:
@@ -588,6 +634,50 @@ class TieringOffloadingManager:
                 self._on_lookup(outcome)
             elif isinstance(outcome, JobReleased):
                 self._on_released(outcome)
+            elif isinstance(outcome, PinRequest):
+                self._on_pin(outcome)
+            elif isinstance(outcome, UnpinRequest):
+                self._on_unpin(outcome)
+
+    def _on_pin(self, request: PinRequest) -> None:
+        assert self._region is not None
+        view = self._region.primary_view
+        rows: dict[OffloadKey, memoryview] = {}
+        for key in request.keys:
+            record = self._records.get(key)
+            if record is None or record.ref_cnt < 0 or key in rows:
+                continue
+            self.primary.prepare_read([key])
+            self._tier_pins[key] = self._tier_pins.get(key, 0) + 1
+            rows[key] = view[record.slot]
+        future = request.future
+        loop = future.get_loop()
+        if _running_loop() is loop:
+            self._deliver_pins(future, rows)
+        else:
+            loop.call_soon_threadsafe(self._deliver_pins, future, rows)
+
+    def _deliver_pins(
+        self,
+        future: asyncio.Future[dict[OffloadKey, memoryview]],
+        rows: dict[OffloadKey, memoryview],
+    ) -> None:
+        if future.done():  # the tier gave up waiting: release what it would have held
+            self._post(UnpinRequest(tuple(rows)))
+        else:
+            future.set_result(rows)
+
+    def _on_unpin(self, request: UnpinRequest) -> None:
+        pins = self._tier_pins
+        for key in request.keys:
+            held = pins.get(key, 0)
+            if held == 0:
+                continue  # released by a reset already
+            if held == 1:
+                del pins[key]
+            else:
+                pins[key] = held - 1
+            self.primary.complete_read([key])
 
     def _on_lookup(self, outcome: LookupOutcome) -> None:
         state = self._tiers[outcome.runner]
@@ -683,22 +773,29 @@ class TieringOffloadingManager:
 
     async def drain(self) -> None:
         """Send what the step queued, then resolve once nothing is in flight."""
-        while True:
-            if self._completions:
-                self._drain()
-            self._launch_step()
-            if not self.has_pending_work():
-                return
-            await self.wait_for_completions()
+        await self._settle(include_pins=False)
 
-    def _drain_blocking(self) -> None:
+    async def _settle(self, *, include_pins: bool) -> None:
         while True:
+            seq = self._signal.seq
+            if not self._step_and_check(include_pins):
+                return
+            await self._signal.wait(seq)
+
+    def _settle_blocking(self, *, include_pins: bool) -> None:
+        while True:
+            seq = self._signal.seq
+            if not self._step_and_check(include_pins):
+                return
+            self._signal.wait_blocking(seq)
+
+    def _step_and_check(self, include_pins: bool) -> bool:
+        """Apply outcomes and send queued work; whether anything is still in flight."""
+        with self.lock:
             if self._completions:
                 self._drain()
             self._launch_step()
-            if not self.has_pending_work():
-                return
-            self.wait_for_completions_blocking()
+            return self.has_pending_work() or (include_pins and bool(self._tier_pins))
 
     # -------------------------------------------------------------- resetting
 
@@ -708,22 +805,28 @@ class TieringOffloadingManager:
         Secondary tiers keep their data. An async host on the tier loop uses
         :meth:`areset_cache` instead.
         """
-        self._cancel_queued()
+        with self.lock:
+            self._cancel_queued()
         if self._tiers and not self._closed:
             if self._require_loop().in_loop_thread():
-                if self.has_pending_work():
-                    raise RuntimeError(
-                        "reset_cache would block the event loop: use await manager.areset_cache()"
-                    )
+                with self.lock:
+                    if self.has_pending_work() or self._tier_pins:
+                        raise RuntimeError(
+                            "reset_cache would block the event loop: "
+                            "use await manager.areset_cache()"
+                        )
             else:
-                self._drain_blocking()
-        self._reset()
+                self._settle_blocking(include_pins=True)
+        with self.lock:
+            self._reset()
 
     async def areset_cache(self) -> None:
         """:meth:`reset_cache` for an async host."""
-        self._cancel_queued()
-        await self.drain()
-        self._reset()
+        with self.lock:
+            self._cancel_queued()
+        await self._settle(include_pins=True)
+        with self.lock:
+            self._reset()
 
     def _cancel_queued(self) -> None:
         """Drop lookups and promotions not yet sent: their slots were never written."""
@@ -736,7 +839,15 @@ class TieringOffloadingManager:
                 state.asked_at.pop(key, None)
             state.queued = []
 
+    def _primary_removed(self, keys: Sequence[OffloadKey]) -> None:
+        for state in self._tiers:
+            state.tier.on_primary_removed(keys)
+
     def _reset(self) -> None:
+        readable = [key for key, record in self._records.items() if record.ref_cnt >= 0]
+        if readable:
+            self._primary_removed(readable)
+        self._tier_pins.clear()
         self.primary.reset()
         for req_id in list(self._requests):
             if self._requests[req_id].finished:
@@ -775,15 +886,17 @@ class TieringOffloadingManager:
 
     async def _close_tiers(self) -> None:
         """On the tier loop: finish every job, then close the tiers, last first."""
-        self._cancel_queued()
+        with self.lock:
+            self._cancel_queued()
         for state in reversed(self._tiers):
             await _close_tier(state)
 
     def _finish_close(self) -> None:
-        if self._completions:
-            self._drain()
-        self._closed = True
-        self._flush_metrics()
+        with self.lock:
+            if self._completions:
+                self._drain()
+            self._closed = True
+            self._flush_metrics()
         if self._region is not None:
             self._region.close()
         self._stop_loop()
@@ -863,26 +976,27 @@ class TieringOffloadingManager:
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Cumulative counts per tier label, for benchmarks and diagnostics."""
-        metrics = self.metrics
-        result: dict[str, dict[str, float]] = {}
-        for label in [PRIMARY_LABEL, *self.tier_labels]:
-            labels = {"tier": label}
-            result[label] = {
-                name: metrics.sample(f"{metric}_total", labels) or 0.0
-                for name, metric in (
-                    ("queries", Names.CHUNK_QUERIES),
-                    ("hits", Names.CHUNK_HITS),
-                    ("bytes_read", Names.READ_BYTES),
-                    ("bytes_written", Names.WRITE_BYTES),
-                    ("read_time", Names.READ_TIME),
-                    ("write_time", Names.WRITE_TIME),
-                    ("integrity_failures", Names.INTEGRITY_FAILURES),
-                    ("stores_dropped", Names.BACKPRESSURE_STORES_DROPPED),
-                    ("promotion_failures", Names.PROMOTION_JOB_FAILURES),
-                    ("cascade_failures", Names.CASCADE_JOB_FAILURES),
-                )
-            }
-        return result
+        with self.lock:
+            metrics = self.metrics
+            result: dict[str, dict[str, float]] = {}
+            for label in [PRIMARY_LABEL, *self.tier_labels]:
+                labels = {"tier": label}
+                result[label] = {
+                    name: metrics.sample(f"{metric}_total", labels) or 0.0
+                    for name, metric in (
+                        ("queries", Names.CHUNK_QUERIES),
+                        ("hits", Names.CHUNK_HITS),
+                        ("bytes_read", Names.READ_BYTES),
+                        ("bytes_written", Names.WRITE_BYTES),
+                        ("read_time", Names.READ_TIME),
+                        ("write_time", Names.WRITE_TIME),
+                        ("integrity_failures", Names.INTEGRITY_FAILURES),
+                        ("stores_dropped", Names.BACKPRESSURE_STORES_DROPPED),
+                        ("promotion_failures", Names.PROMOTION_JOB_FAILURES),
+                        ("cascade_failures", Names.CASCADE_JOB_FAILURES),
+                    )
+                }
+            return result
 
 
 async def _close_tier(state: _TierState, *, drain: bool = True) -> None:

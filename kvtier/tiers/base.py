@@ -10,8 +10,10 @@ and drains the tier on shutdown. A tier is just I/O.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -21,7 +23,16 @@ from kvtier.metrics import MetricDefinition, MetricsRecorder
 from kvtier.records import Medium, OffloadingEvent
 from kvtier.region import PrimaryView
 
-__all__ = ["JobResult", "SecondaryTier", "TierContext", "TierCounters", "TransferJob"]
+__all__ = [
+    "JobResult",
+    "PinRequest",
+    "PrimaryAccess",
+    "SecondaryTier",
+    "TierContext",
+    "TierCounters",
+    "TransferJob",
+    "UnpinRequest",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,62 @@ class JobResult:
     transfer_time: float | None = None
 
 
+@dataclass(frozen=True)
+class PinRequest:
+    """A tier asks to pin primary slots by key (see :class:`PrimaryAccess`)."""
+
+    keys: tuple[OffloadKey, ...]
+    future: asyncio.Future[dict[OffloadKey, memoryview]]
+
+
+@dataclass(frozen=True)
+class UnpinRequest:
+    keys: tuple[OffloadKey, ...]
+
+
+class PrimaryAccess:
+    """Lets a tier read chunks of this node's primary tier, pinned while it reads.
+
+    For tiers that serve this node's primary tier to others (p2p). :meth:`pin` asks the
+    manager (the only writer of primary state) to pin the keys that are readable now;
+    it answers with their rows. Every key pinned must be released with :meth:`unpin`;
+    :meth:`pinned` does both around a block.
+    """
+
+    def __init__(self, view: PrimaryView) -> None:
+        self.view = view
+        self._post: Callable[[object], None] | None = None
+
+    def bind(self, post: Callable[[object], None]) -> None:
+        """Connect to the manager's request queue (done by the manager)."""
+        self._post = post
+
+    async def pin(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, memoryview]:
+        """Pin the readable ``keys``; returns the row of each key that was pinned."""
+        if self._post is None:
+            raise RuntimeError("this tier's primary access is not bound to a manager")
+        future: asyncio.Future[dict[OffloadKey, memoryview]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._post(PinRequest(tuple(keys), future))
+        return await future
+
+    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+        """Release pins :meth:`pin` took. Never blocks; safe from any thread."""
+        if keys and self._post is not None:
+            self._post(UnpinRequest(tuple(keys)))
+
+    @contextlib.asynccontextmanager
+    async def pinned(
+        self, keys: Sequence[OffloadKey]
+    ) -> AsyncIterator[dict[OffloadKey, memoryview]]:
+        rows = await self.pin(keys)
+        try:
+            yield rows
+        finally:
+            self.unpin(list(rows))
+
+
 class TierCounters:
     """Counts a tier reports from its coroutines; the manager flushes them each step."""
 
@@ -85,6 +152,8 @@ class TierContext:
     model_name: str = ""
     metrics: MetricsRecorder = field(default_factory=lambda: MetricsRecorder({}))
     counters: TierCounters = field(default_factory=TierCounters)
+    #: Pinned reads of this node's primary tier, for tiers that serve it to others.
+    primary: PrimaryAccess | None = None
 
     def read(self, params: Mapping[str, Any]) -> ConfigReader:
         """A reader over this tier's parameters whose errors name ``config_path``."""
@@ -150,6 +219,13 @@ class SecondaryTier(ABC):
 
     def on_request_finished(self, req_id: str) -> None:  # noqa: B027 - optional hook
         """The request left the scheduler and none of its stores is pending any more."""
+
+    def on_primary_removed(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """``keys`` left the primary tier (evicted or reset).
+
+        For tiers that serve the primary tier to others. Called by the manager from the
+        scheduler's thread, under its lock: record and return, never block.
+        """
 
     def take_events(self) -> list[OffloadingEvent]:
         """Store and removal events of this tier since the last call."""
