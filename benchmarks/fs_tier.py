@@ -9,7 +9,8 @@ Each round moves ``--total-gib`` each way, and measures, on the same disk:
    primary tier (each request is one promotion job, ``--in-flight`` at once);
 3. raw: the same number of files of the same size written with ``os.pwritev`` (with
    O_DIRECT when the tier uses it), synced, the cache dropped, and read back with
-   ``os.preadv``, by one thread and by the tier's depth; the better is the limit.
+   ``os.preadv``, by one thread and by the tier's depth; the better is the limit
+   (:mod:`kvtier.bench.physical`, which ``kvtier bench`` uses too).
 
 A virtual disk's speed drifts by tens of percent from one second to the next, so the
 rounds interleave tier and raw passes and the report takes the median of each round's
@@ -26,17 +27,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import mmap
 import os
 import shutil
 import statistics
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from scheduler import measure_scheduler
 
 from kvtier import (
     LookupResult,
@@ -46,6 +46,7 @@ from kvtier import (
     TieringOffloadingManager,
     make_offload_key,
 )
+from kvtier.bench.physical import drop_page_cache, measure_disk
 from kvtier.tiers.fs import FileSystemTier
 
 MIB = 1 << 20
@@ -98,19 +99,6 @@ def percentile(values: list[float], share: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
-
-
-def drop_cache(files: list[Path]) -> None:
-    """Evict the files from the page cache (they are clean after a sync)."""
-    with contextlib.suppress(OSError):
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-    for path in files:
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 async def open_manager(args: argparse.Namespace, root: Path) -> TieringOffloadingManager:
@@ -188,47 +176,6 @@ def unlink_all(paths: list[Path]) -> None:
         path.unlink()
 
 
-def raw_round(
-    directory: Path, count: int, chunk: int, threads: int, direct: bool
-) -> tuple[float, float]:
-    """GB/s of pwritev (then sync) and cold preadv of ``count`` one-chunk files."""
-    directory.mkdir()
-    # Page-aligned buffers: O_DIRECT needs them, and the region's rows are too.
-    source = mmap.mmap(-1, HEADER + chunk)
-    source[HEADER:] = os.urandom(chunk)
-    paths = [directory / f"{i:06d}.raw" for i in range(count)]
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-
-    def write(path: Path) -> None:
-        fd = os.open(path, flags, 0o644)
-        try:
-            os.pwritev(fd, [memoryview(source)], 0)
-        finally:
-            os.close(fd)
-
-    def read(path: Path) -> None:
-        into = bytearray(HEADER + chunk)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.preadv(fd, [memoryview(into)], 0)
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(threads) as pool:
-        started = time.perf_counter()
-        list(pool.map(write, paths))
-        os.sync()
-        write_s = time.perf_counter() - started
-        drop_cache(paths)
-        started = time.perf_counter()
-        list(pool.map(read, paths))
-        read_s = time.perf_counter() - started
-    shutil.rmtree(directory)
-    source.close()
-    total = count * chunk
-    return total / write_s / 1e9, total / read_s / 1e9
-
-
 async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
     manager = await open_manager(args, root / "tier")
     tier = manager.tiers[0]
@@ -244,27 +191,25 @@ async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
         write_s = await cascade(manager, keys, args.job_chunks)
         files = [tier.path_of(key) for key in keys]
         await manager.areset_cache()
-        await asyncio.to_thread(drop_cache, files)
+        await asyncio.to_thread(drop_page_cache, files)
         read_s, job_latencies = await promote(manager, keys, args.job_chunks, args.in_flight)
         latencies += job_latencies
         await manager.areset_cache()
         await asyncio.to_thread(unlink_all, files)
-        raw = [
-            await asyncio.to_thread(
-                raw_round,
-                root / f"raw{round_index}-{threads}",
-                count,
-                chunk,
-                threads,
-                tier.o_direct,
-            )
-            for threads in sorted({1, max(tier.read_depth, tier.write_depth)})
-        ]
+        depth = max(tier.read_depth, tier.write_depth)
+        raw = await asyncio.to_thread(
+            measure_disk,
+            root / f"raw{round_index}",
+            count,
+            chunk,
+            depth=depth,
+            direct=tier.o_direct,
+        )
         measured = {
             "write_gbps": count * chunk / write_s / 1e9,
             "read_gbps": count * chunk / read_s / 1e9,
-            "raw_write_gbps": max(write for write, _ in raw),
-            "raw_read_gbps": max(read for _, read in raw),
+            "raw_write_gbps": raw.write_gbps,
+            "raw_read_gbps": raw.read_gbps,
         }
         measured["write_ratio"] = measured["write_gbps"] / measured["raw_write_gbps"]
         measured["read_ratio"] = measured["read_gbps"] / measured["raw_read_gbps"]
@@ -290,39 +235,6 @@ async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
         }
     )
     return figures
-
-
-def scheduler_phase(args: argparse.Namespace) -> dict[str, float]:
-    """Manager calls with no secondary tier: lookup hits and store cycles."""
-    stored = 100_000
-    config = OffloadingConfig(
-        engine_id=f"bench-sched-{uuid.uuid4().hex[:8]}",
-        kv_bytes_per_block=4096,
-        extra_config={"cpu_bytes_to_use": 4096 * stored},
-    )
-    spec = OffloadingSpecFactory.create_spec(config)
-    manager = spec.get_manager()
-    req = ReqContext("bench")
-    keys = [make_offload_key(i.to_bytes(32, "big")) for i in range(stored)]
-    for first in range(0, stored, 1000):
-        batch = keys[first : first + 1000]
-        manager.prepare_store(batch, req)
-        manager.complete_store(batch, req)
-    lookup = manager.lookup
-    probe_keys = (keys * (args.lookups // stored + 1))[: args.lookups]
-    started = time.perf_counter()
-    for key in probe_keys:
-        lookup(key, req)
-    lookups_per_s = args.lookups / (time.perf_counter() - started)
-    fresh = [[make_offload_key((stored + i).to_bytes(32, "big"))] for i in range(args.store_cycles)]
-    prepare, complete = manager.prepare_store, manager.complete_store
-    started = time.perf_counter()
-    for one in fresh:  # the primary tier is full: every cycle also evicts
-        prepare(one, req)
-        complete(one, req)
-    cycles_per_s = args.store_cycles / (time.perf_counter() - started)
-    spec.shutdown()
-    return {"lookups_per_s": lookups_per_s, "store_cycles_per_s": cycles_per_s}
 
 
 def report(args: argparse.Namespace, figures: dict[str, float]) -> None:
@@ -358,7 +270,7 @@ def main() -> None:
         figures = asyncio.run(fs_rounds(args, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    figures.update(scheduler_phase(args))
+    figures.update(measure_scheduler(args.lookups, args.store_cycles))
     report(args, figures)
 
 

@@ -1,28 +1,32 @@
 """The ``kvtier`` command line.
 
-``kvtier plan`` checks a configuration the way the engine will read it and prints how
-the primary region will be laid out, so a user can size ``cpu_bytes_to_use`` and
-``block_size`` before starting a server.
+- ``kvtier bench`` replays a serving workload through the whole stack and reports hit
+  rates, throughput and tail latency against the hardware measured in the same run.
+- ``kvtier inspect ROOT_DIR`` lists what an fs tier holds, and with ``--verify`` checks
+  every chunk file's checksum.
+- ``kvtier plan`` checks a configuration and prints the primary region it describes.
 
-Every error is one line on stderr and exit code 2.
+Progress and tables go to stderr; every error is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
 from kvtier import __version__
 from kvtier.config import ChunkGeometry, OffloadingConfig
 from kvtier.errors import KVTierError
-from kvtier.specs.cpu import CPUOffloadingSpec
-from kvtier.specs.factory import OffloadingSpecFactory
 
 __all__ = ["main"]
+
+MIB = 1 << 20
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,10 +34,93 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvtier: error: {message}\n")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    from kvtier.bench.workloads import WORKLOADS
+
     parser = _Parser(prog="kvtier", description="Multi-tier KV-cache offloading for LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    bench = commands.add_parser(
+        "bench",
+        help="replay a serving workload through the tiers and report hit rates and throughput",
+        description="Replay a serving workload through KVTier (primary tier + secondary tiers) "
+        "the way an async serving engine would, then report per-tier hit rates, GB/s, "
+        "latency percentiles and event-loop lag against the disk and memory bandwidth "
+        "measured in the same run. Without a GPU, CPU tensors stand in for it.",
+    )
+    bench.add_argument(
+        "--workload",
+        choices=[*WORKLOADS, "all"],
+        default="multi-round-qa",
+        help="which workload to replay (default: multi-round-qa)",
+    )
+    bench.add_argument(
+        "--tiers", default="fs", help="comma-separated secondary tiers (default: fs)"
+    )
+    bench.add_argument("--config", type=Path, help="JSON file of extra_config keys to apply")
+    bench.add_argument(
+        "--chunk-mib", type=_positive_float, default=1.0, help="bytes per chunk, MiB (1)"
+    )
+    bench.add_argument(
+        "--primary-mib", type=_positive_int, default=1024, help="primary tier, MiB (1024)"
+    )
+    bench.add_argument(
+        "--working-set-mib", type=_positive_int, default=3072, help="distinct data, MiB (3072)"
+    )
+    bench.add_argument(
+        "--max-prompt-chunks", type=_positive_int, default=64, help="longest prompt (64)"
+    )
+    bench.add_argument(
+        "--concurrency", type=_positive_int, default=4, help="requests in flight (4)"
+    )
+    bench.add_argument(
+        "--duration", type=_positive_float, default=180.0, help="stop after this many seconds (180)"
+    )
+    bench.add_argument(
+        "--root", type=Path, help="directory for the fs tier (default: a temporary one)"
+    )
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--json", dest="json_path", type=Path, help="also write the report as JSON here"
+    )
+    bench.add_argument(
+        "--plot", type=Path, help="draw hit rate and throughput over time (needs matplotlib)"
+    )
+    bench.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT"
+    )
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="list what an fs tier's root_dir holds; --verify checks every chunk",
+        description="List the namespaces, chunk counts and bytes under an fs tier's root_dir. "
+        "With --verify, read every chunk file and check its header and checksum.",
+    )
+    inspect.add_argument("root_dir", type=Path)
+    inspect.add_argument("--verify", action="store_true", help="check every file's checksum")
+    inspect.add_argument("--json", action="store_true", help="print the result as JSON")
 
     plan = commands.add_parser(
         "plan",
@@ -69,19 +156,158 @@ def _fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def _load_extra_config(path: Path | None, overrides: Sequence[str]) -> dict[str, Any]:
-    extra: dict[str, Any] = {}
-    if path is not None:
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text())
+    except OSError as exc:
+        _fail(f"cannot read {path}: {exc.strerror}")
+    except json.JSONDecodeError as exc:
+        _fail(f"{path} is not valid JSON: {exc}")
+    if not isinstance(loaded, dict):
+        _fail(f"{path} must hold a JSON object (the extra_config mapping)")
+    return loaded
+
+
+# --------------------------------------------------------------------- bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvtier.bench.report import combine, plot, print_report
+    from kvtier.bench.run import BenchSettings
+    from kvtier.bench.workloads import WORKLOADS
+
+    tiers = tuple(name.strip() for name in args.tiers.split(",") if name.strip())
+    for name in tiers:
+        if name not in ("fs",):
+            _fail(f"--tiers: unknown or unavailable tier {name!r}; expected fs")
+    if not tiers:
+        _fail("--tiers needs at least one tier")
+    if args.plot is not None:
         try:
-            loaded = json.loads(path.read_text())
-        except OSError as exc:
-            _fail(f"cannot read {path}: {exc.strerror}")
-        except json.JSONDecodeError as exc:
-            _fail(f"{path} is not valid JSON: {exc}")
-        if not isinstance(loaded, dict):
-            _fail(f"{path} must hold a JSON object (the extra_config mapping)")
-        extra.update(loaded)
-    for item in overrides:
+            import matplotlib  # type: ignore[import-not-found]  # noqa: F401
+        except ImportError:
+            _fail("--plot needs matplotlib: pip install 'kvtier[plot]'")
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        _fail(f"--metrics-port must be a TCP port, got {args.metrics_port}")
+    extra = _read_json_object(args.config) if args.config is not None else {}
+    settings = BenchSettings(
+        tiers=tiers,
+        extra_config=extra,
+        chunk_bytes=int(args.chunk_mib * MIB),
+        primary_bytes=args.primary_mib * MIB,
+        working_set_bytes=args.working_set_mib * MIB,
+        max_prompt_chunks=args.max_prompt_chunks,
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        root_dir=args.root,
+        seed=args.seed,
+    )
+    # Wide enough for the tier table when stderr is a file or a pipe (rich assumes 80).
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    try:
+        reports = asyncio.run(_run_workloads(settings, names, args, console))
+    except KVTierError as exc:
+        _fail(str(exc))
+    except ValueError as exc:
+        _fail(str(exc))
+    for report in reports:
+        print_report(report, console)
+    result = reports[0] if len(reports) == 1 else combine(reports)
+    if args.json_path is not None:
+        args.json_path.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot is not None:
+        plot(reports, args.plot)
+    wrong = sum(report["requests"]["wrong_chunks"] for report in reports)
+    return 1 if wrong else 0
+
+
+async def _run_workloads(
+    settings: Any, names: list[str], args: argparse.Namespace, console: Any
+) -> list[dict[str, Any]]:
+    from prometheus_client import CollectorRegistry, start_http_server
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvtier.bench.run import run_bench
+
+    registry = CollectorRegistry()
+    server = None
+    if args.metrics_port is not None:
+        # Loopback only: a benchmark's metrics are for the person running it.
+        server, _ = start_http_server(args.metrics_port, addr="127.0.0.1", registry=registry)
+    reports = []
+    try:
+        for name in names:
+            run_settings = type(settings)(**{**asdict(settings), "workload": name})
+            with Progress(
+                TextColumn(f"[bold]{name}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("hit {task.fields[hit]}"),
+                TimeElapsedColumn(),
+                console=console,
+                disable=args.quiet,
+                transient=True,
+            ) as bar:
+                task = bar.add_task(name, total=None, hit="-")
+
+                def advance(
+                    done: int, total: int, hits: int, _task: Any = task, _bar: Any = bar
+                ) -> None:
+                    _bar.update(_task, completed=done, total=total, hit=f"{hits} chunks")
+
+                # Each run gets its own registry: metric names repeat across runs.
+                run_registry = registry if len(names) == 1 else CollectorRegistry()
+                reports.append(
+                    await run_bench(run_settings, progress=advance, registry=run_registry)
+                )
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    return reports
+
+
+# ------------------------------------------------------------------- inspect
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from kvtier.cache_inspect import inspect_root
+
+    try:
+        reports = inspect_root(args.root_dir, verify=args.verify)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        _fail(str(exc))
+    if args.json:
+        print(json.dumps([asdict(report) for report in reports], indent=2))
+    else:
+        if not reports:
+            print(f"{args.root_dir}: no kvtier namespace (no */namespace.json)")
+        for report in reports:
+            print(f"{report.directory}")
+            print(f"  namespace  {report.namespace}")
+            print(f"  chunks     {report.chunks:,} ({report.bytes / 1e9:.3f} GB)")
+            if report.temporary_files:
+                left = report.temporary_files
+                print(f"  temporary  {left} (left by writers that died; removed at next start)")
+            if args.verify:
+                print(f"  verified   {report.verified:,} good, {len(report.bad):,} bad")
+                for name, problem in sorted(report.bad.items()):
+                    print(f"    {name}: {problem}")
+    return 1 if any(report.bad for report in reports) else 0
+
+
+# ---------------------------------------------------------------------- plan
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvtier.specs.cpu import CPUOffloadingSpec
+    from kvtier.specs.factory import OffloadingSpecFactory
+
+    extra = _read_json_object(args.config) if args.config is not None else {}
+    for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             _fail(f"--set expects KEY=VALUE, got {item!r}")
@@ -89,11 +315,6 @@ def _load_extra_config(path: Path | None, overrides: Sequence[str]) -> dict[str,
             extra[key] = json.loads(value)
         except json.JSONDecodeError:
             extra[key] = value
-    return extra
-
-
-def _plan(args: argparse.Namespace) -> int:
-    extra = _load_extra_config(args.config, args.overrides)
     try:
         config = OffloadingConfig(
             engine_id=args.engine_id,
@@ -134,9 +355,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    if args.command == "plan":
-        return _plan(args)
-    raise AssertionError(f"unhandled command {args.command!r}")  # argparse enforces choices
+    handlers = {"bench": _bench, "inspect": _inspect, "plan": _plan}
+    return handlers[args.command](args)
 
 
 if __name__ == "__main__":

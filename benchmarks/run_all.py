@@ -1,0 +1,230 @@
+"""Run every benchmark that applies here and regenerate the tables in BENCHMARKS.md.
+
+Each benchmark runs as its own process and prints one JSON object as its last line;
+this script turns each into a table and replaces the block between
+``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in BENCHMARKS.md, leaving the
+prose around it alone. The GPU copy benchmark runs only where CUDA is present; the s3
+and p2p ones only where their scripts exist.
+
+    python benchmarks/run_all.py                  # everything, a few minutes
+    python benchmarks/run_all.py --only fs,bench  # a subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DOCUMENT = HERE.parent / "BENCHMARKS.md"
+
+
+def run_json(command: list[str]) -> dict[str, Any]:
+    """Run a benchmark, echo its table, and return the JSON object of its last line."""
+    print("$", " ".join(command), flush=True)
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    sys.stderr.write(result.stderr[-4000:])
+    if result.returncode != 0:
+        raise RuntimeError(f"{command[1]} failed with exit code {result.returncode}")
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    for line in lines[:-1]:
+        print("  " + line)
+    parsed: dict[str, Any] = json.loads(lines[-1])
+    return parsed
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def f2(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def fs_section(root: str | None, quick: bool) -> tuple[str, str]:
+    command = [sys.executable, str(HERE / "fs_tier.py")]
+    if root:
+        command += ["--root", root]
+    if quick:
+        command += ["--rounds", "1", "--total-gib", "0.5"]
+    r = run_json(command)
+    rows = [
+        [
+            TODAY,
+            f"{r['write_gbps']:.2f} ({r['raw_write_gbps']:.2f})",
+            f"{r['read_gbps']:.2f} ({r['raw_read_gbps']:.2f})",
+            f2(r["write_ratio"]),
+            f2(r["read_ratio"]),
+            f"{r['promotion_p50_ms']:.1f} / {r['promotion_p99_ms']:.1f} ms",
+            f"{r['loop_lag_p50_ms']:.2f} / {r['loop_lag_p99_ms']:.2f} ms",
+            f"{r['lookups_per_s'] / 1e6:.2f} M",
+            f"{r['store_cycles_per_s'] / 1e3:.0f} k",
+        ]
+    ]
+    header = [
+        "date",
+        "write GB/s (raw)",
+        "read GB/s (raw)",
+        "write ratio",
+        "read ratio",
+        "promotion p50 / p99",
+        "loop lag p50 / p99",
+        "lookups/s",
+        "store cycles/s",
+    ]
+    return "fs-tier", f"Command: `{display(command)}`\n\n" + table(header, rows)
+
+
+def bench_section(root: str | None, quick: bool) -> tuple[str, str]:
+    out = HERE / ".bench.json"
+    command = ["kvtier", "bench", "--workload", "all", "--quiet", "--json", str(out)]
+    if root:
+        command += ["--root", str(Path(root) / "kvtier-bench")]
+    if quick:
+        command += ["--working-set-mib", "512", "--primary-mib", "192"]
+    print("$", " ".join(command), flush=True)
+    subprocess.run(command, check=True, capture_output=True)
+    report = json.loads(out.read_text())
+    out.unlink()
+    rows = []
+    for run in report["runs"]:
+        fs = next(t for t in run["tiers"] if t["name"].endswith(":fs"))
+        primary = run["tiers"][0]
+        requests = run["requests"]
+        rows.append(
+            [
+                run["workload"],
+                f"{requests['chunk_hit_rate']:.1%}",
+                f"{primary['hit_rate']:.1%} / {fs['hit_rate']:.1%}",
+                f"{fs['bytes_written'] / 1e9:.2f} / {fs['bytes_read'] / 1e9:.2f}",
+                f"{f2(fs['write_gbps'])} / {f2(fs['read_gbps'])}",
+                f"{requests['lookup_ms']['p50']:.1f} / {requests['lookup_ms']['p99']:.1f}",
+                f"{requests['load_ms']['p50']:.1f} / {requests['load_ms']['p99']:.1f}",
+                f"{run['loop_lag_ms']['p50']:.2f} / {run['loop_lag_ms']['p99']:.2f}",
+                f"{f2(run['ratios'].get('fs_write'))} / {f2(run['ratios'].get('fs_read'))}",
+                str(requests["wrong_chunks"]),
+            ]
+        )
+    physical = report["physical"]
+    header = [
+        "workload",
+        "chunk hit rate",
+        "hit rate primary / fs",
+        "fs GB in / out",
+        "fs GB/s in / out",
+        "lookup ms p50 / p99",
+        "load ms p50 / p99",
+        "loop lag ms p50 / p99",
+        "fs / disk write, read",
+        "wrong chunks",
+    ]
+    device = report["runs"][0]["settings"]["device"]
+    text = (
+        f"Command: `{display(command)}` ({TODAY}; device {device}; "
+        f"disk {physical.get('disk_write_gbps', 0):.2f} GB/s write, "
+        f"{physical.get('disk_read_gbps', 0):.2f} GB/s read; memcpy "
+        f"{physical.get('memcpy_gbps', 0):.1f} GB/s, measured in the same run)\n\n"
+        + table(header, rows)
+    )
+    return "kvtier-bench", text
+
+
+def script_section(
+    name: str, script: str, extra: list[str]
+) -> Callable[[str | None, bool], tuple[str, str]] | None:
+    path = HERE / script
+    if not path.exists():
+        return None
+
+    def section(root: str | None, quick: bool) -> tuple[str, str]:
+        command = [sys.executable, str(path), *extra]
+        r = run_json(command)
+        rows = [[TODAY, *(f2(v) if isinstance(v, float) else str(v) for v in r.values())]]
+        return name, f"Command: `{display(command)}`\n\n" + table(["date", *r.keys()], rows)
+
+    return section
+
+
+def gpu_section(root: str | None, quick: bool) -> tuple[str, str]:
+    command = [sys.executable, str(HERE / "gpu_copy.py")]
+    r = run_json(command)
+    rows = [
+        [
+            TODAY,
+            r["device_name"],
+            f"{r['store_gbps']:.2f}",
+            f"{r['load_gbps']:.2f}",
+            f"{r['raw_d2h_gbps']:.2f} / {r['raw_h2d_gbps']:.2f}",
+            f"{r['store_ratio']:.2f} / {r['load_ratio']:.2f}",
+        ]
+    ]
+    header = ["date", "device", "store GB/s", "load GB/s", "raw D2H / H2D GB/s", "ratios"]
+    return "gpu-copy", f"Command: `{display(command)}`\n\n" + table(header, rows)
+
+
+def display(command: list[str]) -> str:
+    shown = ["python" if part == sys.executable else part for part in command]
+    return " ".join(
+        str(Path(p).relative_to(HERE.parent)) if p.startswith(str(HERE)) else p for p in shown
+    )
+
+
+def replace_block(document: str, name: str, body: str) -> str:
+    start, end = f"<!-- generated:{name} -->", f"<!-- /generated:{name} -->"
+    block = f"{start}\n{body}\n{end}"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if pattern.search(document):
+        return pattern.sub(lambda _: block, document)
+    return document.rstrip() + f"\n\n## {name}\n\n{block}\n"
+
+
+TODAY = datetime.date.today().isoformat()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--root", help="directory on the disk to measure (default: a temporary one)"
+    )
+    parser.add_argument("--only", help="comma-separated: fs, bench, s3, p2p, gpu")
+    parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
+    args = parser.parse_args()
+    sections: dict[str, Callable[[str | None, bool], tuple[str, str]] | None] = {
+        "fs": fs_section,
+        "bench": bench_section,
+        "s3": script_section("s3-tier", "s3_tier.py", []),
+        "p2p": script_section("p2p-tier", "p2p_tier.py", []),
+        "gpu": gpu_section if _has_cuda() else None,
+    }
+    wanted = args.only.split(",") if args.only else list(sections)
+    document = DOCUMENT.read_text()
+    for key in wanted:
+        section = sections.get(key)
+        if section is None:
+            print(f"skipping {key}: not available here", flush=True)
+            continue
+        name, body = section(args.root, args.quick)
+        document = replace_block(document, name, body)
+        DOCUMENT.write_text(document)  # keep what finished even if a later one fails
+    print(f"updated {DOCUMENT}")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+if __name__ == "__main__":
+    main()

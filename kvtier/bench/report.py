@@ -1,0 +1,185 @@
+"""Showing a bench report: tables for people, JSON for tools, a plot on request."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["combine", "plot", "print_report"]
+
+GB = 1e9
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    """The tables of one run."""
+    settings = report["settings"]
+    requests = report["requests"]
+    console.print(
+        f"[bold]{report['workload']}[/bold]: {report['description']}\n"
+        f"{requests['count']} requests, {requests['chunks']} chunks requested, "
+        f"chunk hit rate {requests['chunk_hit_rate']:.1%}, {report['duration_s']:.1f} s "
+        f"({settings['device']}, {settings['chunk_bytes'] >> 20} MiB chunks, "
+        f"primary {settings['primary_bytes'] >> 20} MiB, working set "
+        f"{settings['working_set_bytes'] >> 20} MiB)"
+    )
+    tiers = Table(
+        title="tiers (GB in: stored into the tier; GB out: read back from it; "
+        "corrupt: chunks that failed verification and were discarded)",
+        title_justify="left",
+    )
+    for column in (
+        "tier",
+        "queries",
+        "hits",
+        "hit rate",
+        "GB in",
+        "GB out",
+        "in GB/s",
+        "out GB/s",
+        "promotion ms p50/p99",
+        "dropped",
+        "corrupt",
+    ):
+        tiers.add_column(column, justify="right" if column != "tier" else "left")
+    for tier in report["tiers"]:
+        promotion = tier["promotion_ms"]
+        tiers.add_row(
+            tier["name"],
+            str(tier["queries"]),
+            str(tier["hits"]),
+            f"{tier['hit_rate']:.1%}",
+            _num(tier["bytes_written"] / GB),
+            _num(tier["bytes_read"] / GB),
+            _num(tier["write_gbps"]),
+            _num(tier["read_gbps"]),
+            f"{_num(promotion['p50'], 1)} / {_num(promotion['p99'], 1)}",
+            str(tier["stores_dropped"]),
+            str(tier["integrity_failures"]),
+        )
+    console.print(tiers)
+    latency = Table(title="latency per request (ms) and event loop", title_justify="left")
+    for column in ("", "p50", "p99"):
+        latency.add_column(column, justify="right" if column else "left")
+    for name, key in (
+        ("lookup to ready", "lookup_ms"),
+        ("load (primary -> GPU)", "load_ms"),
+        ("store (GPU -> primary)", "store_ms"),
+    ):
+        latency.add_row(name, _num(requests[key]["p50"], 1), _num(requests[key]["p99"], 1))
+    lag = report["loop_lag_ms"]
+    latency.add_row("event-loop lag", _num(lag["p50"]), _num(lag["p99"]))
+    console.print(latency)
+    physical = report.get("physical", {})
+    ratios = report.get("ratios", {})
+    limits = Table(title="physical limits measured in this run", title_justify="left")
+    for column in ("", "GB/s", "kvtier / limit"):
+        limits.add_column(column, justify="right" if column else "left")
+    limits.add_row("memcpy", _num(physical.get("memcpy_gbps")), "")
+    limits.add_row(
+        "disk write (raw pwritev)",
+        _num(physical.get("disk_write_gbps")),
+        _num(ratios.get("fs_write")),
+    )
+    limits.add_row(
+        "disk read (raw preadv)", _num(physical.get("disk_read_gbps")), _num(ratios.get("fs_read"))
+    )
+    console.print(limits)
+    if requests["wrong_chunks"]:
+        console.print(
+            f"[bold red]{requests['wrong_chunks']} chunks were served with wrong bytes[/]"
+        )
+
+
+def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One object for several runs: per-run reports, totals per tier, the worst lag."""
+    tiers: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        for tier in report["tiers"]:
+            total = tiers.setdefault(
+                tier["name"],
+                {
+                    "name": tier["name"],
+                    "queries": 0,
+                    "hits": 0,
+                    "bytes_written": 0,
+                    "bytes_read": 0,
+                    "stores_dropped": 0,
+                    "integrity_failures": 0,
+                    "_w": 0.0,
+                    "_r": 0.0,
+                },
+            )
+            for field in (
+                "queries",
+                "hits",
+                "bytes_written",
+                "bytes_read",
+                "stores_dropped",
+                "integrity_failures",
+            ):
+                total[field] += tier[field]
+            # Bytes-weighted means of the runs' rates.
+            total["_w"] += (tier["write_gbps"] or 0.0) * tier["bytes_written"]
+            total["_r"] += (tier["read_gbps"] or 0.0) * tier["bytes_read"]
+    for total in tiers.values():
+        total["hit_rate"] = total["hits"] / total["queries"] if total["queries"] else 0.0
+        weighted_w, weighted_r = total.pop("_w"), total.pop("_r")
+        total["write_gbps"] = weighted_w / total["bytes_written"] if weighted_w else None
+        total["read_gbps"] = weighted_r / total["bytes_read"] if weighted_r else None
+    bandwidth = next((r for r in reports if r["workload"] == "cold-warm"), reports[-1])
+    return {
+        "workload": "all",
+        "tiers": list(tiers.values()),
+        "loop_lag_ms": {
+            "p50": max(r["loop_lag_ms"]["p50"] for r in reports),
+            "p99": max(r["loop_lag_ms"]["p99"] for r in reports),
+        },
+        "physical": bandwidth.get("physical", {}),
+        "ratios": bandwidth.get("ratios", {}),
+        "runs": list(reports),
+    }
+
+
+def plot(reports: Sequence[dict[str, Any]], path: Path) -> None:
+    """Hit rate and each tier's throughput over time (needs matplotlib)."""
+    import matplotlib  # type: ignore[import-not-found]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found]
+
+    figure, axes = plt.subplots(2, len(reports), figsize=(6 * len(reports), 7), squeeze=False)
+    for column, report in enumerate(reports):
+        timeline = report["timeline"]
+        times = [point["t"] for point in timeline]
+        hit_axis, rate_axis = axes[0][column], axes[1][column]
+        rates = []
+        for before, after in itertools.pairwise(timeline):
+            chunks = after["chunks"] - before["chunks"]
+            rates.append((after["hits"] - before["hits"]) / chunks if chunks else float("nan"))
+        hit_axis.plot(times[1:], rates)
+        hit_axis.set_title(f"{report['workload']}: chunk hit rate")
+        hit_axis.set_ylim(0, 1)
+        for label in timeline[0]["tiers"] if timeline else []:
+            for field, style in (("bytes_written", "-"), ("bytes_read", "--")):
+                speeds = [
+                    (after["tiers"][label][field] - before["tiers"][label][field])
+                    / max(after["t"] - before["t"], 1e-9)
+                    / GB
+                    for before, after in itertools.pairwise(timeline)
+                ]
+                rate_axis.plot(times[1:], speeds, style, label=f"{label} {field.split('_')[1]}")
+        rate_axis.set_title("tier throughput (GB/s)")
+        rate_axis.set_xlabel("seconds")
+        rate_axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

@@ -1,0 +1,174 @@
+"""kvtier bench and kvtier inspect: arguments, the JSON report, every workload, briefly."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.workloads import WORKLOADS, WorkloadSize, build_workload, chain_keys
+from kvtier.cli import main
+
+SMALL = [
+    "--chunk-mib", "0.25", "--primary-mib", "16", "--working-set-mib", "48",
+    "--max-prompt-chunks", "16", "--concurrency", "2", "--quiet",
+]  # fmt: skip
+
+
+def run_bench(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "report.json"
+    assert main(["bench", *SMALL, "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def check_schema(report: dict) -> None:
+    assert isinstance(report["workload"], str)
+    assert {"p50", "p99"} <= set(report["loop_lag_ms"])
+    assert {"disk_write_gbps", "disk_read_gbps"} <= set(report["physical"])
+    assert {"fs_write", "fs_read"} <= set(report["ratios"])
+    names = [tier["name"] for tier in report["tiers"]]
+    assert names == ["0:primary", "1:fs"]
+    for tier in report["tiers"]:
+        assert {
+            "name", "queries", "hits", "hit_rate", "bytes_written", "bytes_read",
+            "write_gbps", "read_gbps",
+        } <= set(tier)  # fmt: skip
+        assert 0.0 <= tier["hit_rate"] <= 1.0
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_every_workload_runs_briefly_and_serves_no_wrong_bytes(tmp_path, workload):
+    report = run_bench(tmp_path, "--workload", workload)
+    check_schema(report)
+    assert report["workload"] == workload
+    assert report["requests"]["count"] > 0
+    assert report["requests"]["wrong_chunks"] == 0
+    assert all(tier["integrity_failures"] == 0 for tier in report["tiers"])
+
+
+def test_reuse_workloads_hit_and_the_no_reuse_one_does_not(tmp_path):
+    reuse = run_bench(tmp_path, "--workload", "long-doc-qa")
+    fresh = run_bench(tmp_path, "--workload", "no-reuse")
+    assert reuse["requests"]["chunk_hit_rate"] > 0.3
+    assert fresh["requests"]["chunk_hit_rate"] == 0.0
+
+
+def test_cold_warm_reads_everything_back_from_the_fs_tier(tmp_path):
+    report = run_bench(tmp_path, "--workload", "cold-warm")
+    fs = report["tiers"][1]
+    assert fs["bytes_read"] >= fs["bytes_written"] * 0.9
+    assert report["ratios"]["fs_read"] > 0
+
+
+def test_all_workloads_give_one_combined_report(tmp_path):
+    report = run_bench(tmp_path, "--workload", "all", "--duration", "20")
+    check_schema(report)
+    assert report["workload"] == "all"
+    assert [run["workload"] for run in report["runs"]] == list(WORKLOADS)
+
+
+def test_extra_config_from_a_file_reaches_the_engine(tmp_path):
+    config = tmp_path / "extra.json"
+    config.write_text(json.dumps({"eviction_policy": "arc"}))
+    report = run_bench(tmp_path, "--config", str(config), "--workload", "shared-prefix")
+    check_schema(report)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--workload", "chat"], "invalid choice: 'chat'"),
+        (["bench", "--tiers", "tape"], "--tiers: unknown or unavailable tier 'tape'"),
+        (["bench", "--config", "/no/such/file.json"], "cannot read /no/such/file.json"),
+        (["bench", "--concurrency", "0"], "expected a positive integer"),
+        (["bench", "--metrics-port", "70000"], "--metrics-port must be a TCP port"),
+        (["inspect", "/no/such/dir"], "/no/such/dir does not exist"),
+    ],
+)
+def test_bad_arguments_get_one_line_and_exit_code_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1
+
+
+def test_a_bad_extra_config_value_is_reported_by_its_key(tmp_path, capsys):
+    config = tmp_path / "extra.json"
+    config.write_text(json.dumps({"eviction_policy": "mru"}))
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *SMALL, "--config", str(config)])
+    assert info.value.code == 2
+    assert "eviction_policy: unknown eviction policy 'mru'" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(capsys):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit) as info:
+            main(["bench", *SMALL, "--plot", "out.png"])
+        assert info.value.code == 2
+        assert "pip install 'kvtier[plot]'" in capsys.readouterr().err
+    else:
+        pytest.skip("matplotlib is installed here")
+
+
+def scrape(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+    except OSError:
+        time.sleep(0.05)  # not listening yet
+        return ""
+
+
+def test_metrics_are_served_on_loopback_while_the_bench_runs(tmp_path):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result: dict[str, int] = {}
+    runner = threading.Thread(
+        target=lambda: result.update(code=main(["bench", *SMALL, "--metrics-port", str(port)]))
+    )
+    runner.start()
+    body = ""
+    deadline = time.monotonic() + 60
+    while runner.is_alive() and time.monotonic() < deadline and "kvtier_tiering" not in body:
+        body = scrape(f"http://127.0.0.1:{port}/metrics")
+    runner.join(120)
+    assert result.get("code") == 0
+    assert "kvtier_tiering_chunk_queries_total" in body
+
+
+def test_inspect_lists_and_verifies_an_fs_root(tmp_path, capsys):
+    root = tmp_path / "cache"
+    run_bench(tmp_path, "--workload", "no-reuse", "--root", str(root))
+    capsys.readouterr()
+    assert main(["inspect", str(root / "fs"), "--verify", "--json"]) == 0
+    [namespace] = json.loads(capsys.readouterr().out)
+    assert namespace["chunks"] > 0
+    assert namespace["verified"] == namespace["chunks"] and namespace["bad"] == {}
+    victim = next((root / "fs").rglob("*.kvt"))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["inspect", str(root / "fs"), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "payload checksum mismatch" in out and "1 bad" in out
+
+
+def test_workloads_share_keys_exactly_as_long_as_prompts_share_blocks():
+    assert chain_keys([1, 2, 3])[:2] == chain_keys([1, 2, 9])[:2]
+    assert chain_keys([1, 2, 3])[2] != chain_keys([1, 2, 9])[2]
+    assert chain_keys([2, 1])[1] != chain_keys([1, 2])[1]
+    for name in WORKLOADS:
+        workload = build_workload(name, WorkloadSize(working_set=256, max_prompt=16))
+        assert 128 <= workload.unique_chunks <= 512, name
