@@ -49,18 +49,31 @@ class ChunkFormat:
         return self.digest.hex()
 
     def pack_header(
-        self, into: memoryview | bytearray, key: OffloadKey, payload: memoryview
+        self,
+        into: memoryview | bytearray,
+        key: OffloadKey,
+        payload: memoryview,
+        checksum: int | None = None,
     ) -> None:
-        """Write the header of ``key`` with ``payload`` into the first page of ``into``."""
+        """Write the header of ``key`` with ``payload`` into the first page of ``into``.
+
+        ``checksum`` is :meth:`checksum` of the payload when the caller took it earlier.
+        """
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"a key of {len(key)} bytes does not fit the header")
-        checksum = xxhash.xxh3_64_intdigest(payload)
+        if checksum is None:
+            checksum = self.checksum(payload)
         fields = _FIELDS.pack(_MAGIC, _VERSION, len(key), len(payload), checksum, self.digest)
         into[: _FIELDS.size] = fields
         into[_KEY_OFFSET : _KEY_OFFSET + len(key)] = key
         into[_KEY_OFFSET + len(key) : HEADER_BYTES] = bytes(HEADER_BYTES - _KEY_OFFSET - len(key))
         header_sum = xxhash.xxh3_64_intdigest(bytes(into[: _FIELDS.size]) + key)
         into[_FIELDS.size : _FIELDS.size + _HEADER_SUM.size] = _HEADER_SUM.pack(header_sum)
+
+    @staticmethod
+    def checksum(payload: memoryview | bytes) -> int:
+        """The payload checksum a header carries."""
+        return xxhash.xxh3_64_intdigest(payload)
 
     def header(self, key: OffloadKey, payload: memoryview) -> bytearray:
         buffer = bytearray(HEADER_BYTES)
