@@ -21,9 +21,11 @@ from kvtier.errors import ConfigError
 __all__ = [
     "FORMAT_VERSION",
     "PAGE_SIZE",
+    "SECRET_KEYS",
     "ChunkGeometry",
     "ConfigReader",
     "OffloadingConfig",
+    "redact",
     "storage_namespace",
 ]
 
@@ -59,6 +61,14 @@ class OffloadingConfig:
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     enable_kv_events: bool = False
 
+    def __repr__(self) -> str:
+        # extra_config may hold credentials (S3 keys, the p2p secret): never show them.
+        shown = ", ".join(
+            f"{name}={redact(value) if name == 'extra_config' else value!r}"
+            for name, value in vars(self).items()
+        )
+        return f"OffloadingConfig({shown})"
+
     def __post_init__(self) -> None:
         if not isinstance(self.engine_id, str) or not _ENGINE_ID_RE.match(self.engine_id):
             raise ConfigError(
@@ -84,6 +94,21 @@ class OffloadingConfig:
             )
         if not isinstance(self.enable_kv_events, bool):
             raise ConfigError("enable_kv_events", "expected true or false")
+
+
+#: Setting names whose values are credentials: logs, reprs and errors never show them.
+SECRET_KEYS = frozenset(
+    {"secret", "secret_access_key", "session_token", "access_key_id", "password", "token"}
+)
+
+
+def redact(value: object) -> object:
+    """``value`` with every credential inside it replaced by ``'<hidden>'``."""
+    if isinstance(value, Mapping):
+        return {k: "<hidden>" if k in SECRET_KEYS else redact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(item) for item in value]
+    return value
 
 
 def _check_int(path: str, value: object, *, minimum: int, maximum: int | None = None) -> None:

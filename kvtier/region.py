@@ -19,8 +19,8 @@ The moment every expected process (the scheduler plus ``world_size`` workers) ha
 mapped it, the name is unlinked: from then on the memory lives exactly as long as the
 mappings, so a crash of any process leaks nothing. If the engine stops before everyone
 joined, the last process to leave unlinks the name. A name left behind by processes
-that died before everyone joined holds no lock any more; the next process to open it
-sees that and reclaims it.
+that died before everyone joined holds no lock any more; the next process to open it,
+or to create any region in the same directory, sees that and removes it.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from kvtier.errors import RegionError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_SHM_DIR", "PrimaryView", "SharedOffloadRegion", "region_path"]
+__all__ = ["DEFAULT_SHM_DIR", "PrimaryView", "SharedOffloadRegion", "region_path", "sweep_orphans"]
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +307,7 @@ class SharedOffloadRegion:
 
     def _try_create(self) -> bool:
         """Create the region; False if another process already has one under the name."""
+        sweep_orphans(self.path.parent, keep=self.path)
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -467,6 +468,48 @@ class SharedOffloadRegion:
     def _unlink_if_ours(self) -> None:
         if self._inode is not None and _inode_of_path(self.path) == self._inode:
             _unlink_quietly(self.path)
+
+
+# A creator takes its lock on the temporary file right after creating it; give it this
+# long before a temporary file without a lock counts as left by a dead process.
+_TMP_GRACE_S = 10.0
+
+
+def sweep_orphans(shm_dir: Path, keep: Path | None = None) -> list[Path]:
+    """Remove region files of other engines that no live process holds.
+
+    Every live participant holds a shared ``flock`` on its region file, so a file whose
+    exclusive lock can be taken belongs to processes that all died before everyone had
+    joined (after that the name is gone already). Returns what was removed.
+    """
+    removed: list[Path] = []
+    try:
+        candidates = list(shm_dir.glob("kvtier_*.mmap")) + list(shm_dir.glob("kvtier_*.mmap.*.tmp"))
+    except OSError:
+        return removed
+    now = time.time()
+    for path in candidates:
+        if path == keep:
+            continue
+        try:
+            if path.suffix == ".tmp" and now - path.stat().st_mtime < _TMP_GRACE_S:
+                continue
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not ours to touch
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            if _inode_of_path(path) == _inode_of_fd(fd):
+                _unlink_quietly(path)
+                removed.append(path)
+                logger.info("removed %s, left behind by processes that died", path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _inode_of_fd(fd: int) -> tuple[int, int]:

@@ -32,7 +32,7 @@ class ScriptedTier(SecondaryTier):
         self.fail_start: bool = settings.boolean("fail_start", False)
         settings.reject_unknown()
         self.chunks: dict[OffloadKey, bytes] = {}
-        self.events = EventLog()
+        self.events = EventLog(ctx.enable_events)
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail_stores = False

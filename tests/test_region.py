@@ -270,3 +270,20 @@ def test_a_joiner_that_fails_leaves_the_live_region_alone(engine_id):
         with pytest.raises(RegionError):
             open_region(engine_id, 0, column_bytes=2000)
         assert region_path(engine_id).exists()
+
+
+def test_orphans_of_other_engines_are_swept_when_a_region_is_created(engine_id):
+    ctx = spawn()
+    orphan = f"{engine_id}-orphan"
+    conn, child = ctx.Pipe()
+    scheduler = ctx.Process(target=region_procs.scheduler, args=(orphan, GEOMETRY, child))
+    scheduler.start()
+    assert recv(conn, "scheduler") == "ready"
+    live = open_region(f"{engine_id}-live", None)  # alive: must survive the sweep
+    os.kill(scheduler.pid, signal.SIGKILL)
+    scheduler.join(TIMEOUT_S)
+    assert region_path(orphan).exists()
+    with open_region(engine_id, None):
+        assert not region_path(orphan).exists()
+        assert region_path(f"{engine_id}-live").exists()
+    live.close()

@@ -97,6 +97,8 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                     model_name=self.config.model_name,
                     metrics=metrics,
                     primary=PrimaryAccess(region.primary_view),
+                    enable_events=self.config.enable_kv_events,
+                    job_timeout_s=self.tier_options[i].runner.job_timeout_s,
                 )
                 tiers.append(SecondaryTierFactory.create_tier(tier_config, ctx))
             primary = PrimaryTier(

@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricsRecorder, Names
@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 # How soon the tier loop retries applying tier outcomes when the host holds the lock:
 # the host's own calls drain them anyway; this bounds the wait of an idle host.
 _SERVE_RETRY_S = 0.001
+
+_N = TypeVar("_N", int, float)
 
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
@@ -722,8 +724,8 @@ class TieringOffloadingManager:
             if not result.success:
                 stats.promotion_failures += 1
             if loaded:
-                stats.read_bytes += result.transfer_bytes or len(loaded) * self._chunk_bytes
-                stats.read_time += result.transfer_time or outcome.elapsed
+                stats.read_bytes += _or(result.transfer_bytes, len(loaded) * self._chunk_bytes)
+                stats.read_time += _or(result.transfer_time, outcome.elapsed)
                 stats.promotion_latencies.append(time.perf_counter() - entry.since)
         else:
             if outcome.released:
@@ -731,10 +733,10 @@ class TieringOffloadingManager:
                 state.active_cascades -= 1
                 state.read_chunks -= len(job.keys)
                 self.primary.complete_read(job.keys)
-            nbytes = result.transfer_bytes or len(job.keys) * self._chunk_bytes
+            nbytes = _or(result.transfer_bytes, len(job.keys) * self._chunk_bytes)
             if result.success:
                 stats.write_bytes += nbytes
-                stats.write_time += result.transfer_time or outcome.elapsed
+                stats.write_time += _or(result.transfer_time, outcome.elapsed)
             else:
                 stats.cascade_failures += 1
             if state.backpressure is not None:
@@ -997,6 +999,11 @@ class TieringOffloadingManager:
                     )
                 }
             return result
+
+
+def _or(reported: _N | None, measured: _N) -> _N:
+    """A tier's own figure when it gave one (0 included), else the framework's."""
+    return measured if reported is None else reported
 
 
 async def _close_tier(state: _TierState, *, drain: bool = True) -> None:

@@ -106,7 +106,15 @@ class PrimaryAccess:
             asyncio.get_running_loop().create_future()
         )
         self._post(PinRequest(tuple(keys), future))
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancelled after the manager pinned but before this task resumed: the rows
+            # would stay pinned forever. (If the future itself was cancelled, the manager
+            # releases what it pins when it finds nobody waiting.)
+            if future.done() and not future.cancelled():
+                self.unpin(list(future.result()))
+            raise
 
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         """Release pins :meth:`pin` took. Never blocks; safe from any thread."""
@@ -154,6 +162,12 @@ class TierContext:
     counters: TierCounters = field(default_factory=TierCounters)
     #: Pinned reads of this node's primary tier, for tiers that serve it to others.
     primary: PrimaryAccess | None = None
+    #: Whether the host takes events (``enable_kv_events``): a tier that records them
+    #: otherwise would grow its log forever. ``EventLog(ctx.enable_events)`` obeys it.
+    enable_events: bool = False
+    #: The framework's time-out for one job of this tier; a tier that bounds its own
+    #: retries ends them well before it.
+    job_timeout_s: float = 30.0
 
     def read(self, params: Mapping[str, Any]) -> ConfigReader:
         """A reader over this tier's parameters whose errors name ``config_path``."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, MetricDefinition
-from kvtier.records import Medium, OffloadingEvent
+from kvtier.records import EventLog, Medium, OffloadingEvent
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 
 __all__ = ["ExampleTier"]
@@ -40,7 +40,7 @@ class ExampleTier(SecondaryTier):
         self.custom_param: int = settings.integer("custom_param", 0)
         settings.reject_unknown()
         self._chunks: dict[OffloadKey, bytes] = {}
-        self._events: list[OffloadingEvent] = []
+        self._events = EventLog(ctx.enable_events)
 
     @classmethod
     def build_metric_definitions(
@@ -63,9 +63,7 @@ class ExampleTier(SecondaryTier):
                 self._chunks[key] = bytes(view[chunk_id])
                 stored.append(key)
         if stored:
-            self._events.append(
-                OffloadingEvent(tuple(stored), self.medium, False, self.ctx.tier_name)
-            )
+            self._events.add(stored, self.medium, False, self.ctx.tier_name)
             self.ctx.metrics.inc(STORED_CHUNKS, len(stored), (self.ctx.tier_name,))
         return JobResult(job.job_id, True)
 
@@ -80,10 +78,9 @@ class ExampleTier(SecondaryTier):
         return JobResult(job.job_id, len(loaded) == len(job.keys), successful_keys=loaded)
 
     def take_events(self) -> list[OffloadingEvent]:
-        events, self._events = self._events, []
-        return events
+        return self._events.take()
 
     def forget(self, key: OffloadKey) -> None:
         """Drop one chunk (tests use this to make a tier lose data)."""
         if self._chunks.pop(key, None) is not None:
-            self._events.append(OffloadingEvent((key,), self.medium, True, self.ctx.tier_name))
+            self._events.add([key], self.medium, True, self.ctx.tier_name)

@@ -118,7 +118,7 @@ class FileSystemTier(SecondaryTier):
         self._used_bytes = 0
         self._scanned = False
         self._file_bytes = HEADER_BYTES + ctx.chunk_bytes
-        self._events = EventLog()
+        self._events = EventLog(ctx.enable_events)
         # Both need a running event loop, so start() creates them.
         self._readers: anyio.CapacityLimiter | None = None
         self._writers: anyio.CapacityLimiter | None = None
