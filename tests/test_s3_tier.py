@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio.to_thread
 import pytest
 import torch
-from helpers import keys, tiering_config
+from helpers import keys, store_all, tiering_config
 from s3_servers import (
     ACCESS_KEY,
     SECRET_KEY,
@@ -72,16 +72,6 @@ def s3_tier(kv: KVTier) -> S3Tier:
 def metric(kv: KVTier, name: str) -> float:
     kv.manager.on_schedule_end()  # flushes the step's counts
     return kv.manager.metrics.sample(f"{name}_total", LABEL) or 0.0
-
-
-async def store_all(kv: KVTier, ks, first_block: int = 0) -> None:
-    """Store ``ks`` a primary-full at a time, so every key reaches the s3 tier."""
-    size = kv.manager.primary.num_chunks
-    for i in range(0, len(ks), size):
-        part = ks[i : i + size]
-        blocks = list(range(first_block + i, first_block + i + len(part)))
-        assert await kv.store(part, blocks, f"w{uuid.uuid4().hex}") == len(part)
-        await kv.drain()
 
 
 async def object_bytes(endpoint: str, bucket: str, name: str) -> bytes | None:

@@ -24,6 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvtier.bench.physical import measure_disk, measure_memcpy
+from kvtier.bench.probe import LagProbe, percentile
 from kvtier.bench.workloads import BenchRequest, Workload, WorkloadSize, build_workload, chain_keys
 from kvtier.config import OffloadingConfig
 from kvtier.facade import KVTier
@@ -142,20 +143,6 @@ def _seed(key: OffloadKey) -> int:
     return int.from_bytes(key[:8], "big", signed=True)
 
 
-class _LagProbe:
-    """How late a 1 ms timer fires: the event loop's responsiveness."""
-
-    def __init__(self) -> None:
-        self.lags: list[float] = []
-
-    async def run(self, stop: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
-        while not stop.is_set():
-            start = loop.time()
-            await asyncio.sleep(0.001)
-            self.lags.append(loop.time() - start - 0.001)
-
-
 def _tier_list(settings: BenchSettings, root: Path) -> list[dict[str, Any]]:
     tiers: list[dict[str, Any]] = []
     for name in settings.tiers:
@@ -188,13 +175,6 @@ def _kv_caches(settings: BenchSettings, blocks: int) -> list[torch.Tensor]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     per_half = settings.chunk_bytes // 2 // 8
     return [torch.zeros((blocks, per_half), dtype=torch.int64, device=device) for _ in range(2)]
-
-
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 def _histogram_quantile(
@@ -305,7 +285,7 @@ async def run_bench(
         gpu_blocks = settings.max_prompt_chunks * (settings.concurrency + 1)
         caches = _kv_caches(settings, gpu_blocks)
         timeline: list[dict[str, Any]] = []
-        probe = _LagProbe()
+        probe = LagProbe()
         stop = asyncio.Event()
         started = time.perf_counter()
         # Without a GPU, copies run on background threads like a GPU's copy streams, so
@@ -313,15 +293,13 @@ async def run_bench(
         engine_impl = None if torch.cuda.is_available() else ThreadedCopyEngine()
         async with KVTier(config, caches, registry, engine=engine_impl) as kv:
             engine = _Engine(kv, caches, gpu_blocks, settings.lookup_timeout_s)
-            watchers = [
-                asyncio.ensure_future(probe.run(stop)),
-                asyncio.ensure_future(_sample(kv, engine, timeline, stop)),
-            ]
+            probe.start()
+            sampler = asyncio.ensure_future(_sample(kv, engine, timeline, stop))
             try:
                 await _replay(kv, engine, workload, settings, progress)
             finally:
                 stop.set()
-                await asyncio.gather(*watchers)
+                await asyncio.gather(sampler, probe.stop())
             elapsed = time.perf_counter() - started
             labels = ["0:primary", *kv.manager.tier_labels]
             stats = kv.manager.tier_stats()
@@ -351,7 +329,7 @@ def _report(
     stats: dict[str, dict[str, float]],
     labels: list[str],
     timeline: list[dict[str, Any]],
-    probe: _LagProbe,
+    probe: LagProbe,
     registry: CollectorRegistry,
 ) -> dict[str, Any]:
     chunk = settings.chunk_bytes
@@ -442,8 +420,8 @@ def _ratio(measured: float | None, limit: float) -> float | None:
 
 def _percentiles(values: list[float]) -> dict[str, float]:
     return {
-        "p50": round(_quantile(values, 0.5) * 1e3, 3),
-        "p99": round(_quantile(values, 0.99) * 1e3, 3),
+        "p50": round(percentile(values, 0.5) * 1e3, 3),
+        "p99": round(percentile(values, 0.99) * 1e3, 3),
     }
 
 

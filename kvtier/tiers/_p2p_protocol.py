@@ -596,24 +596,11 @@ async def authenticate_reader(
         raise SelfConnection("the address is this node itself")
     if hello.version != PROTOCOL_VERSION:
         raise AuthError(f"the peer speaks protocol version {hello.version}")
-    proof = secret.proof(
-        Role.READER,
-        prover_id=node_id,
-        prover_nonce=nonce,
-        challenger_id=hello.node_id,
-        challenger_nonce=hello.nonce,
-        digest=digest,
+    proof, expected = _proofs(
+        secret, Role.READER, (node_id, nonce), (hello.node_id, hello.nonce), digest
     )
     await send_frame(channel, Kind.PROOF, proof)
     answer = await _read_handshake_frame(channel, Kind.PROOF)
-    expected = secret.proof(
-        Role.OWNER,
-        prover_id=hello.node_id,
-        prover_nonce=hello.nonce,
-        challenger_id=node_id,
-        challenger_nonce=nonce,
-        digest=digest,
-    )
     if not hmac.compare_digest(bytes(answer), expected):
         raise AuthError("the peer failed to prove the shared secret")
     return bytes(hello.node_id)
@@ -643,27 +630,45 @@ async def authenticate_owner(
         raise refusal[1]
     await send_frame(channel, Kind.HELLO, encode_hello(node_id, nonce, bytes(DIGEST_BYTES)))
     proof = await _read_handshake_frame(channel, Kind.PROOF)
-    expected = secret.proof(
-        Role.READER,
-        prover_id=hello.node_id,
-        prover_nonce=hello.nonce,
-        challenger_id=node_id,
-        challenger_nonce=nonce,
-        digest=digest,
+    answer, expected = _proofs(
+        secret, Role.OWNER, (node_id, nonce), (hello.node_id, hello.nonce), digest
     )
     if not hmac.compare_digest(bytes(proof), expected):
         await _refuse(channel, Reject.AUTHENTICATION)
         raise AuthError("the peer failed to prove the shared secret")
-    answer = secret.proof(
-        Role.OWNER,
-        prover_id=node_id,
-        prover_nonce=nonce,
-        challenger_id=hello.node_id,
-        challenger_nonce=hello.nonce,
-        digest=digest,
-    )
     await send_frame(channel, Kind.PROOF, answer)
     return bytes(hello.node_id)
+
+
+def _proofs(
+    secret: Secret,
+    role: Role,
+    this: tuple[bytes, bytes],
+    other: tuple[bytes, bytes],
+    digest: bytes,
+) -> tuple[bytes, bytes]:
+    """This node's proof in ``role``, and the proof the other side must answer with.
+
+    ``this`` and ``other`` are (node id, nonce) pairs.
+    """
+    other_role = Role.OWNER if role is Role.READER else Role.READER
+    mine = secret.proof(
+        role,
+        prover_id=this[0],
+        prover_nonce=this[1],
+        challenger_id=other[0],
+        challenger_nonce=other[1],
+        digest=digest,
+    )
+    theirs = secret.proof(
+        other_role,
+        prover_id=other[0],
+        prover_nonce=other[1],
+        challenger_id=this[0],
+        challenger_nonce=this[1],
+        digest=digest,
+    )
+    return mine, theirs
 
 
 async def _refuse(channel: Channel, reason: Reject) -> None:
