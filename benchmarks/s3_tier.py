@@ -52,7 +52,7 @@ from kvtier import (
     TieringOffloadingManager,
     make_offload_key,
 )
-from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, create_bucket, s3_client
+from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, create_bucket
 from kvtier.tiers._format import HEADER_BYTES
 from kvtier.tiers.s3 import S3Tier
 
@@ -153,7 +153,7 @@ async def measure(
     rounds: list[dict[str, float]] = []
     latencies: list[float] = []
     try:
-        async with s3_client(endpoint, tier.client_config()) as client:
+        async with tier.open_client() as client:
             # rclone races when concurrent first uploads create one directory (some
             # fail with 500); one small object per directory, first, avoids that.
             for directory in [tier.directory, *(f"raw{i}" for i in range(args.rounds))]:

@@ -76,9 +76,17 @@ def _build_parser() -> argparse.ArgumentParser:
         help="which workload to replay (default: multi-round-qa)",
     )
     bench.add_argument(
-        "--tiers", default="fs", help="comma-separated secondary tiers (default: fs)"
+        "--tiers",
+        default="fs",
+        help="comma-separated secondary tiers, in lookup order, from fs, s3 and p2p "
+        "(default: fs); s3 starts a local S3 server, p2p a peer engine on loopback",
     )
-    bench.add_argument("--config", type=Path, help="JSON file of extra_config keys to apply")
+    bench.add_argument(
+        "--config",
+        type=Path,
+        help="JSON file of extra_config keys to apply; a secondary_tiers list there "
+        "replaces --tiers (to benchmark real endpoints and peers)",
+    )
     bench.add_argument(
         "--chunk-mib", type=_positive_float, default=1.0, help="bytes per chunk, MiB (1)"
     )
@@ -98,7 +106,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--duration", type=_positive_float, default=180.0, help="stop after this many seconds (180)"
     )
     bench.add_argument(
-        "--root", type=Path, help="directory for the fs tier (default: a temporary one)"
+        "--root",
+        type=Path,
+        help="working directory: the fs tier, the local S3 server's data (default: a "
+        "temporary one)",
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
@@ -176,12 +187,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     from kvtier.bench.report import combine, plot, print_report
     from kvtier.bench.run import BenchSettings
+    from kvtier.bench.services import KNOWN_TIERS
     from kvtier.bench.workloads import WORKLOADS
 
     tiers = tuple(name.strip() for name in args.tiers.split(",") if name.strip())
     for name in tiers:
-        if name not in ("fs",):
-            _fail(f"--tiers: unknown or unavailable tier {name!r}; expected fs")
+        if name not in KNOWN_TIERS:
+            _fail(f"--tiers: unknown tier {name!r}; expected some of {', '.join(KNOWN_TIERS)}")
+        if tiers.count(name) > 1:
+            _fail(f"--tiers: {name} is named twice")
     if not tiers:
         _fail("--tiers needs at least one tier")
     if args.plot is not None:

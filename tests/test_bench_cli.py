@@ -78,11 +78,39 @@ def test_extra_config_from_a_file_reaches_the_engine(tmp_path):
     check_schema(report)
 
 
+def test_s3_and_p2p_tiers_bring_their_own_server_and_peer(tmp_path):
+    report = run_bench(tmp_path, "--workload", "cold-warm", "--tiers", "p2p,s3")
+    assert report["requests"]["wrong_chunks"] == 0
+    _, p2p, s3 = report["tiers"]
+    assert (p2p["name"], s3["name"]) == ("1:p2p", "2:s3")
+    # The spawned peer computed the workload's latest chunks: the cold pass finds
+    # them there; the warm pass reads the rest back from the S3 server.
+    assert p2p["hits"] > 0 and p2p["bytes_read"] > 0
+    assert s3["bytes_written"] > 0 and s3["bytes_read"] > 0
+    assert all(tier["integrity_failures"] == 0 for tier in report["tiers"])
+    assert {"s3_put_gbps", "s3_get_gbps", "tcp_loopback_gbps"} <= set(report["physical"])
+    assert report["ratios"]["s3_read"] > 0 and report["ratios"]["p2p_read"] > 0
+
+
+def test_a_secondary_tiers_list_in_the_config_replaces_the_tiers_option(tmp_path):
+    mine = tmp_path / "mine"
+    config = tmp_path / "extra.json"
+    config.write_text(json.dumps({"secondary_tiers": [{"type": "fs", "root_dir": str(mine)}]}))
+    report = run_bench(
+        tmp_path, "--config", str(config), "--tiers", "p2p", "--workload", "no-reuse"
+    )
+    assert [tier["name"] for tier in report["tiers"]] == ["0:primary", "1:fs"]
+    assert report["tiers"][1]["bytes_written"] > 0
+    assert any(mine.rglob("*.kvt"))
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["bench", "--workload", "chat"], "invalid choice: 'chat'"),
-        (["bench", "--tiers", "tape"], "--tiers: unknown or unavailable tier 'tape'"),
+        (["bench", "--tiers", "tape"], "--tiers: unknown tier 'tape'"),
+        (["bench", "--tiers", "fs,s3,fs"], "--tiers: fs is named twice"),
+        (["bench", "--tiers", ","], "--tiers needs at least one tier"),
         (["bench", "--config", "/no/such/file.json"], "cannot read /no/such/file.json"),
         (["bench", "--concurrency", "0"], "expected a positive integer"),
         (["bench", "--metrics-port", "70000"], "--metrics-port must be a TCP port"),

@@ -3,21 +3,33 @@
 Raw disk: files of one chunk each written with ``os.pwritev`` (O_DIRECT when asked),
 synced, evicted from the page cache and read back with ``os.preadv``, by one thread
 and by several; the better figure is the limit. Memory: a plain copy between two
-buffers larger than the caches.
+buffers larger than the caches. Network: chunk-sized objects PUT to and read back from
+an S3 server by a plain client, and chunks sent over loopback TCP between two threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
 import shutil
+import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["DiskLimits", "drop_page_cache", "measure_disk", "measure_memcpy"]
+__all__ = [
+    "DiskLimits",
+    "drop_page_cache",
+    "measure_disk",
+    "measure_loopback",
+    "measure_memcpy",
+    "measure_s3",
+]
 
 _HEADER = 4096
 
@@ -102,3 +114,84 @@ def measure_memcpy(nbytes: int = 256 << 20, repeats: int = 4) -> float:
     for _ in range(repeats):
         view_out[:] = view_in
     return len(source) * repeats / (time.perf_counter() - started) / 1e9
+
+
+async def measure_s3(
+    client: Any, bucket: str, prefix: str, count: int, size: int, concurrency: int
+) -> DiskLimits:
+    """PUT and GET bandwidth of ``count`` objects of ``size`` bytes, ``concurrency`` at once.
+
+    The objects go under ``prefix`` in ``bucket`` and are deleted afterwards.
+    """
+    payload = os.urandom(size)
+    names = [f"{prefix}/{i:06d}.raw" for i in range(count)]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def put(name: str) -> None:
+        async with gate:
+            await client.put_object(Bucket=bucket, Key=name, Body=payload)
+
+    async def get(name: str) -> None:
+        async with gate:
+            response = await client.get_object(Bucket=bucket, Key=name)
+            async with response["Body"] as body:
+                if len(await body.read()) != size:
+                    raise ConnectionError(f"short read of {name}")
+
+    try:
+        # One object first, alone: a server keeping objects as files (rclone) creates
+        # the prefix's directory racily when many first uploads arrive at once.
+        await client.put_object(Bucket=bucket, Key=names[0], Body=payload)
+        started = time.perf_counter()
+        await asyncio.gather(*(put(name) for name in names))
+        write_s = time.perf_counter() - started
+        started = time.perf_counter()
+        await asyncio.gather(*(get(name) for name in names))
+        read_s = time.perf_counter() - started
+    finally:
+        for first in range(0, len(names), 1000):
+            batch = [{"Key": name} for name in names[first : first + 1000]]
+            with contextlib.suppress(Exception):
+                await client.delete_objects(Bucket=bucket, Delete={"Objects": batch})
+    total = count * size
+    return DiskLimits(total / write_s / 1e9, total / read_s / 1e9)
+
+
+def measure_loopback(count: int, chunk: int) -> float:
+    """GB/s of ``count`` chunks sent over loopback TCP from one thread to another.
+
+    The sender writes each chunk with ``sendall``, the receiver ``recv_into``s it into
+    a page-aligned buffer: what a p2p promotion does at each end, with nothing else.
+    """
+    source = mmap.mmap(-1, chunk)
+    source[:] = os.urandom(chunk)
+    target = mmap.mmap(-1, chunk)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def send() -> None:
+            sock, _ = listener.accept()
+            with sock:
+                for _ in range(count):
+                    sock.sendall(source)
+                sock.recv(1)
+
+        sender = threading.Thread(target=send, name="kvtier-loopback-send", daemon=True)
+        sender.start()
+        with socket.create_connection(listener.getsockname(), timeout=60) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            view = memoryview(target)
+            started = time.perf_counter()
+            for _ in range(count):
+                got = 0
+                while got < chunk:
+                    received = sock.recv_into(view[got:])
+                    if received == 0:
+                        raise ConnectionError("the loopback sender hung up")
+                    got += received
+            elapsed = time.perf_counter() - started
+            view.release()
+            sock.sendall(b"k")
+        sender.join(60)
+    source.close()
+    target.close()
+    return count * chunk / elapsed / 1e9

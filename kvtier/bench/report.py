@@ -13,6 +13,16 @@ from rich.table import Table
 __all__ = ["combine", "plot", "print_report"]
 
 GB = 1e9
+MIB = 1 << 20
+#: Rows of the physical-limits table: label, key in "physical", key in "ratios".
+_LIMITS = (
+    ("memcpy", "memcpy_gbps", None),
+    ("disk write (raw pwritev)", "disk_write_gbps", "fs_write"),
+    ("disk read (raw preadv)", "disk_read_gbps", "fs_read"),
+    ("S3 PUT (plain client)", "s3_put_gbps", "s3_write"),
+    ("S3 GET (plain client)", "s3_get_gbps", "s3_read"),
+    ("loopback TCP", "tcp_loopback_gbps", "p2p_read"),
+)
 
 
 def _num(value: float | None, digits: int = 2) -> str:
@@ -27,7 +37,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         f"[bold]{report['workload']}[/bold]: {report['description']}\n"
         f"{requests['count']} requests, {requests['chunks']} chunks requested, "
         f"chunk hit rate {requests['chunk_hit_rate']:.1%}, {report['duration_s']:.1f} s "
-        f"({settings['device']}, {settings['chunk_bytes'] >> 20} MiB chunks, "
+        f"({settings['device']}, {settings['chunk_bytes'] / MIB:g} MiB chunks, "
         f"primary {settings['primary_bytes'] >> 20} MiB, working set "
         f"{settings['working_set_bytes'] >> 20} MiB)"
     )
@@ -83,15 +93,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     limits = Table(title="physical limits measured in this run", title_justify="left")
     for column in ("", "GB/s", "kvtier / limit"):
         limits.add_column(column, justify="right" if column else "left")
-    limits.add_row("memcpy", _num(physical.get("memcpy_gbps")), "")
-    limits.add_row(
-        "disk write (raw pwritev)",
-        _num(physical.get("disk_write_gbps")),
-        _num(ratios.get("fs_write")),
-    )
-    limits.add_row(
-        "disk read (raw preadv)", _num(physical.get("disk_read_gbps")), _num(ratios.get("fs_read"))
-    )
+    for label, limit, ratio in _LIMITS:
+        if limit in physical:
+            limits.add_row(label, _num(physical[limit]), _num(ratios.get(ratio)) if ratio else "")
     console.print(limits)
     if requests["wrong_chunks"]:
         console.print(

@@ -23,21 +23,26 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvtier.bench.physical import measure_disk, measure_memcpy
+from kvtier.bench.physical import measure_disk, measure_loopback, measure_memcpy, measure_s3
 from kvtier.bench.probe import LagProbe, percentile
+from kvtier.bench.services import local_tiers
 from kvtier.bench.workloads import BenchRequest, Workload, WorkloadSize, build_workload, chain_keys
 from kvtier.config import OffloadingConfig
 from kvtier.facade import KVTier
 from kvtier.keys import OffloadKey
 from kvtier.metrics import Names
+from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers.base import SecondaryTier
 from kvtier.worker.engines import ThreadedCopyEngine
 
-__all__ = ["BenchSettings", "run_bench"]
+__all__ = ["BenchSettings", "Engine", "bench_config", "copy_engine", "kv_caches", "run_bench"]
 
 MIB = 1 << 20
 # How often the timeline is sampled: fine enough to see a tier warm up, coarse enough
 # to cost nothing.
 _SAMPLE_INTERVAL_S = 0.5
+# How long the engine waits to hear of a spawned p2p peer's chunks before it starts.
+_PEER_INDEX_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -73,7 +78,7 @@ class _RequestStats:
     requests: int = 0
 
 
-class _Engine:
+class Engine:
     """A serving engine's KV bookkeeping in miniature: a GPU block pool and requests."""
 
     def __init__(self, kv: KVTier, caches: list[torch.Tensor], blocks: int, timeout: float) -> None:
@@ -111,6 +116,18 @@ class _Engine:
         stats.load_s.append(copied - looked_up)
         stats.store_s.append(done - copied)
 
+    async def compute_and_store(self, keys: list[OffloadKey], req_id: str) -> int:
+        """Compute ``keys`` (as a prefill would) and store them; how many were stored."""
+        bpc = self.kv.blocks_per_chunk
+        blocks = await self._allocate(len(keys) * bpc)
+        try:
+            await asyncio.to_thread(self._compute, keys, blocks, bpc)
+            stored = await self.kv.store(keys, blocks, req_id)
+            self.kv.finish(req_id)
+        finally:
+            await self._release(blocks)
+        return stored
+
     def _compute(self, keys: list[OffloadKey], blocks: list[int], bpc: int) -> None:
         """Prefill stand-in: every block of a chunk holds a value derived from its key."""
         for i, key in enumerate(keys):
@@ -143,25 +160,18 @@ def _seed(key: OffloadKey) -> int:
     return int.from_bytes(key[:8], "big", signed=True)
 
 
-def _tier_list(settings: BenchSettings, root: Path) -> list[dict[str, Any]]:
-    tiers: list[dict[str, Any]] = []
-    for name in settings.tiers:
-        if name == "fs":
-            tiers.append({"type": "fs", "root_dir": str(root / "fs"), "shared": False})
-        else:
-            raise ValueError(f"unknown tier {name!r} for --tiers; expected fs")
-    return tiers
-
-
-def _config(settings: BenchSettings, root: Path) -> OffloadingConfig:
+def bench_config(
+    settings: BenchSettings, tiers: list[dict[str, Any]], *, role: str = "bench"
+) -> OffloadingConfig:
+    """The engine's configuration: ``tiers`` as its secondary tiers, then ``--config``."""
     extra: dict[str, Any] = {
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": settings.primary_bytes,
-        "secondary_tiers": _tier_list(settings, root),
+        "secondary_tiers": tiers,
     }
     extra.update(settings.extra_config)
     return OffloadingConfig(
-        engine_id=f"bench-{uuid.uuid4().hex[:10]}",
+        engine_id=f"{role}-{uuid.uuid4().hex[:10]}",
         kv_bytes_per_block=settings.chunk_bytes,
         tokens_per_block=16,
         model_name="kvtier-bench",
@@ -170,7 +180,16 @@ def _config(settings: BenchSettings, root: Path) -> OffloadingConfig:
     )
 
 
-def _kv_caches(settings: BenchSettings, blocks: int) -> list[torch.Tensor]:
+def copy_engine() -> ThreadedCopyEngine | None:
+    """The copy engine: the default next to a GPU, else background copy threads.
+
+    Without a GPU, copies run on threads as they would on a GPU's copy streams, so the
+    event loop is as free as it would be next to a real device.
+    """
+    return None if torch.cuda.is_available() else ThreadedCopyEngine()
+
+
+def kv_caches(settings: BenchSettings, blocks: int) -> list[torch.Tensor]:
     """K and V tensors of this rank: CUDA when present, else CPU standing in."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     per_half = settings.chunk_bytes // 2 // 8
@@ -202,7 +221,7 @@ def _histogram_quantile(
 
 
 async def _sample(
-    kv: KVTier, engine: _Engine, timeline: list[dict[str, Any]], stop: asyncio.Event
+    kv: KVTier, engine: Engine, timeline: list[dict[str, Any]], stop: asyncio.Event
 ) -> None:
     started = time.perf_counter()
     while True:
@@ -241,7 +260,7 @@ def _active_gbps(timeline: list[dict[str, Any]], label: str, field_name: str) ->
 
 async def _replay(
     kv: KVTier,
-    engine: _Engine,
+    engine: Engine,
     workload: Workload,
     settings: BenchSettings,
     progress: Callable[[int, int, int], None] | None,
@@ -280,36 +299,49 @@ async def run_bench(
         WorkloadSize(settings.working_set_chunks, settings.max_prompt_chunks, settings.seed),
     )
     registry = registry if registry is not None else CollectorRegistry()
+    # A secondary_tiers list of the user's own replaces what --tiers would start.
+    names = () if "secondary_tiers" in settings.extra_config else settings.tiers
     with _workspace(settings.root_dir) as root:
-        config = _config(settings, root)
-        gpu_blocks = settings.max_prompt_chunks * (settings.concurrency + 1)
-        caches = _kv_caches(settings, gpu_blocks)
-        timeline: list[dict[str, Any]] = []
-        probe = LagProbe()
-        stop = asyncio.Event()
-        started = time.perf_counter()
-        # Without a GPU, copies run on background threads like a GPU's copy streams, so
-        # the event loop is as free as it would be next to a real device.
-        engine_impl = None if torch.cuda.is_available() else ThreadedCopyEngine()
-        async with KVTier(config, caches, registry, engine=engine_impl) as kv:
-            engine = _Engine(kv, caches, gpu_blocks, settings.lookup_timeout_s)
-            probe.start()
-            sampler = asyncio.ensure_future(_sample(kv, engine, timeline, stop))
-            try:
-                await _replay(kv, engine, workload, settings, progress)
-            finally:
-                stop.set()
-                await asyncio.gather(sampler, probe.stop())
-            elapsed = time.perf_counter() - started
-            labels = ["0:primary", *kv.manager.tier_labels]
-            stats = kv.manager.tier_stats()
-            o_direct = any(getattr(t, "o_direct", False) for t in kv.manager.tiers)
-        report = _report(settings, workload, engine.stats, stats, labels, timeline, probe, registry)
-        report["duration_s"] = round(elapsed, 3)
-        report["physical"], report["ratios"] = await asyncio.to_thread(
-            _physical, settings, root, report, o_direct
-        )
+        async with local_tiers(names, settings, root) as local:
+            config = bench_config(settings, local.tiers)
+            gpu_blocks = settings.max_prompt_chunks * (settings.concurrency + 1)
+            caches = kv_caches(settings, gpu_blocks)
+            timeline: list[dict[str, Any]] = []
+            probe = LagProbe()
+            stop = asyncio.Event()
+            async with KVTier(config, caches, registry, engine=copy_engine()) as kv:
+                await _hear_of_peer_chunks(kv, local.peer_chunks)
+                started = time.perf_counter()
+                engine = Engine(kv, caches, gpu_blocks, settings.lookup_timeout_s)
+                probe.start()
+                sampler = asyncio.ensure_future(_sample(kv, engine, timeline, stop))
+                try:
+                    await _replay(kv, engine, workload, settings, progress)
+                finally:
+                    stop.set()
+                    await asyncio.gather(sampler, probe.stop())
+                elapsed = time.perf_counter() - started
+                labels = ["0:primary", *kv.manager.tier_labels]
+                stats = kv.manager.tier_stats()
+                tiers = dict(zip(kv.manager.tier_labels, kv.manager.tiers, strict=True))
+            report = _report(
+                settings, workload, engine.stats, stats, labels, timeline, probe, registry
+            )
+            report["duration_s"] = round(elapsed, 3)
+            report["physical"], report["ratios"] = await _physical(settings, root, report, tiers)
     return report
+
+
+async def _hear_of_peer_chunks(kv: KVTier, chunks: int) -> None:
+    """Wait (a while) until the p2p tiers have heard of the spawned peer's chunks."""
+    from kvtier.tiers.p2p import PeerTier
+
+    peers = [tier for tier in kv.manager.tiers if isinstance(tier, PeerTier)]
+    deadline = time.monotonic() + _PEER_INDEX_TIMEOUT_S
+    while peers and sum(t.indexed_keys for t in peers) < chunks:
+        if time.monotonic() > deadline:
+            return  # the run shows what the peer's index held: fewer p2p hits
+        await asyncio.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -395,22 +427,65 @@ def _report(
     }
 
 
-def _physical(
-    settings: BenchSettings, root: Path, report: dict[str, Any], o_direct: bool
+async def _physical(
+    settings: BenchSettings,
+    root: Path,
+    report: dict[str, Any],
+    tiers: Mapping[str, SecondaryTier],
 ) -> tuple[dict[str, float], dict[str, float | None]]:
+    """The limits each tier of the run is held against, measured now, and the ratios.
+
+    Each is measured with as many chunks as the tier moved (16 at least, 1 GiB at the
+    most; 512 MiB for S3), so the same bytes meet the same hardware. Ratios are None
+    where the run moved nothing that way (no-reuse never reads back).
+    """
+    from kvtier.tiers.fs import FileSystemTier
+    from kvtier.tiers.p2p import PeerTier
+    from kvtier.tiers.s3 import S3Tier
+
     chunk = settings.chunk_bytes
-    physical = {"memcpy_gbps": round(measure_memcpy(), 3)}
+    physical = {"memcpy_gbps": round(await asyncio.to_thread(measure_memcpy), 3)}
     ratios: dict[str, float | None] = {}
-    fs = next((t for t in report["tiers"] if t["name"].endswith(":fs")), None)
-    if fs is not None:
-        # As many files as the fs tier wrote, up to 1 GiB: the same bytes, same disk.
-        count = max(16, min(fs["bytes_written"] // chunk, (1 << 30) // chunk))
-        disk = measure_disk(root / "physical", int(count), chunk, direct=o_direct)
-        physical["disk_write_gbps"] = round(disk.write_gbps, 3)
-        physical["disk_read_gbps"] = round(disk.read_gbps, 3)
-        # None where the workload moved nothing that way (no-reuse never reads back).
-        ratios["fs_write"] = _ratio(fs["write_gbps"], disk.write_gbps)
-        ratios["fs_read"] = _ratio(fs["read_gbps"], disk.read_gbps)
+    entries = {entry["name"]: entry for entry in report["tiers"]}
+
+    def chunks(moved: int, cap: int) -> int:
+        return int(max(16, min(moved // chunk, cap // chunk)))
+
+    for label, tier in tiers.items():
+        entry = entries[label]
+        moved = max(entry["bytes_written"], entry["bytes_read"])
+        if isinstance(tier, FileSystemTier) and "fs_write" not in ratios:
+            disk = await asyncio.to_thread(
+                measure_disk,
+                root / "physical",
+                chunks(entry["bytes_written"], 1 << 30),
+                chunk,
+                direct=tier.o_direct,
+            )
+            physical["disk_write_gbps"] = round(disk.write_gbps, 3)
+            physical["disk_read_gbps"] = round(disk.read_gbps, 3)
+            ratios["fs_write"] = _ratio(entry["write_gbps"], disk.write_gbps)
+            ratios["fs_read"] = _ratio(entry["read_gbps"], disk.read_gbps)
+        elif isinstance(tier, S3Tier) and "s3_write" not in ratios:
+            async with tier.open_client() as client:
+                s3 = await measure_s3(
+                    client,
+                    tier.bucket,
+                    f"{tier.prefix}/kvtier-physical".lstrip("/"),
+                    chunks(moved, 512 * MIB),
+                    HEADER_BYTES + chunk,
+                    tier.max_concurrency,
+                )
+            physical["s3_put_gbps"] = round(s3.write_gbps, 3)
+            physical["s3_get_gbps"] = round(s3.read_gbps, 3)
+            ratios["s3_write"] = _ratio(entry["write_gbps"], s3.write_gbps)
+            ratios["s3_read"] = _ratio(entry["read_gbps"], s3.read_gbps)
+        elif isinstance(tier, PeerTier) and "p2p_read" not in ratios:
+            tcp = await asyncio.to_thread(
+                measure_loopback, chunks(entry["bytes_read"], 1 << 30), chunk
+            )
+            physical["tcp_loopback_gbps"] = round(tcp, 3)
+            ratios["p2p_read"] = _ratio(entry["read_gbps"], tcp)
     return physical, ratios
 
 

