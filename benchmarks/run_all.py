@@ -90,7 +90,7 @@ def bench_section(root: str | None, quick: bool) -> tuple[str, str]:
     if root:
         command += ["--root", str(Path(root) / "kvtier-bench")]
     if quick:
-        command += ["--working-set-mib", "512", "--primary-mib", "192"]
+        command += ["--working-set-mib", "512", "--primary-mib", "320"]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True, capture_output=True)
     report = json.loads(out.read_text())
@@ -136,6 +136,55 @@ def bench_section(root: str | None, quick: bool) -> tuple[str, str]:
         + table(header, rows)
     )
     return "kvtier-bench", text
+
+
+def stacks_section(root: str | None, quick: bool) -> tuple[str, str]:
+    """``kvtier bench --workload cold-warm`` with the s3 tier, then with the p2p tier."""
+    rows, commands = [], []
+    for tier, limits in (
+        ("s3", ("s3_put_gbps", "s3_get_gbps")),
+        ("p2p", (None, "tcp_loopback_gbps")),
+    ):
+        out = HERE / ".bench.json"
+        command = ["kvtier", "bench", "--workload", "cold-warm", "--tiers", tier, "--quiet"]
+        if quick:
+            command += ["--working-set-mib", "512", "--primary-mib", "320"]
+        commands.append(display(command))
+        print("$", " ".join(command), flush=True)
+        subprocess.run([*command, "--json", str(out)], check=True, capture_output=True)
+        run = json.loads(out.read_text())
+        out.unlink()
+        entry = next(t for t in run["tiers"] if t["name"].endswith(f":{tier}"))
+        physical, ratios = run["physical"], run["ratios"]
+        promotion = entry["promotion_ms"]
+        rows.append(
+            [
+                tier,
+                f"{run['requests']['chunk_hit_rate']:.1%}",
+                f"{entry['hit_rate']:.1%}",
+                f"{entry['bytes_written'] / 1e9:.2f} / {entry['bytes_read'] / 1e9:.2f}",
+                f"{f2(entry['write_gbps'])} / {f2(entry['read_gbps'])}",
+                " / ".join(f2(physical.get(key)) if key else "-" for key in limits),
+                f"{f2(ratios.get(f'{tier}_write'))} / {f2(ratios.get(f'{tier}_read'))}",
+                f"{f2(promotion['p50'])} / {f2(promotion['p99'])}",
+                f"{run['loop_lag_ms']['p50']:.2f} / {run['loop_lag_ms']['p99']:.2f}",
+                str(run["requests"]["wrong_chunks"]),
+            ]
+        )
+    header = [
+        "tier",
+        "chunk hit rate",
+        "tier hit rate",
+        "GB in / out",
+        "GB/s in / out",
+        "limit GB/s in / out",
+        "ratio in / out",
+        "promotion ms p50 / p99",
+        "loop lag ms p50 / p99",
+        "wrong chunks",
+    ]
+    text = f"Commands: {', '.join(f'`{c}`' for c in commands)} ({TODAY})\n\n" + table(header, rows)
+    return "tier-stacks", text
 
 
 def script_section(
@@ -195,12 +244,13 @@ def main() -> None:
     parser.add_argument(
         "--root", help="directory on the disk to measure (default: a temporary one)"
     )
-    parser.add_argument("--only", help="comma-separated: fs, bench, s3, p2p, gpu")
+    parser.add_argument("--only", help="comma-separated: fs, bench, stacks, s3, p2p, gpu")
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
     args = parser.parse_args()
     sections: dict[str, Callable[[str | None, bool], tuple[str, str]] | None] = {
         "fs": fs_section,
         "bench": bench_section,
+        "stacks": stacks_section,
         "s3": script_section("s3-tier", "s3_tier.py", []),
         "p2p": script_section("p2p-tier", "p2p_tier.py", []),
         "gpu": gpu_section if _has_cuda() else None,
