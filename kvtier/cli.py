@@ -218,6 +218,14 @@ def _bench(args: argparse.Namespace) -> int:
         root_dir=args.root,
         seed=args.seed,
     )
+    in_flight = settings.concurrency * settings.max_prompt_chunks * settings.chunk_bytes
+    if settings.primary_bytes < in_flight:
+        print(
+            f"kvtier: warning: --primary-mib {args.primary_mib} is below what the requests "
+            f"in flight hold at once ({in_flight / MIB:g} MiB = --concurrency x "
+            "--max-prompt-chunks x --chunk-mib): promotions will find no free slot and miss",
+            file=sys.stderr,
+        )
     # Wide enough for the tier table when stderr is a file or a pipe (rich assumes 80).
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]

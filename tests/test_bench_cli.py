@@ -92,6 +92,14 @@ def test_s3_and_p2p_tiers_bring_their_own_server_and_peer(tmp_path):
     assert report["ratios"]["s3_read"] > 0 and report["ratios"]["p2p_read"] > 0
 
 
+def test_a_primary_tier_smaller_than_the_requests_in_flight_is_warned_about(tmp_path, capsys):
+    run_bench(tmp_path, "--workload", "no-reuse", "--primary-mib", "4")
+    err = capsys.readouterr().err
+    assert "kvtier: warning: --primary-mib 4 is below what the requests in flight" in err
+    run_bench(tmp_path, "--workload", "no-reuse")
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_secondary_tiers_list_in_the_config_replaces_the_tiers_option(tmp_path):
     mine = tmp_path / "mine"
     config = tmp_path / "extra.json"
@@ -100,6 +108,7 @@ def test_a_secondary_tiers_list_in_the_config_replaces_the_tiers_option(tmp_path
         tmp_path, "--config", str(config), "--tiers", "p2p", "--workload", "no-reuse"
     )
     assert [tier["name"] for tier in report["tiers"]] == ["0:primary", "1:fs"]
+    assert report["settings"]["tiers"] == ["fs"]
     assert report["tiers"][1]["bytes_written"] > 0
     assert any(mine.rglob("*.kvt"))
 

@@ -409,7 +409,7 @@ def _report(
             "primary_bytes": settings.primary_bytes,
             "working_set_bytes": workload.unique_chunks * chunk,
             "concurrency": settings.concurrency,
-            "tiers": list(settings.tiers),
+            "tiers": [label.split(":", 1)[1] for label in labels[1:]],
             "device": "cuda" if torch.cuda.is_available() else "cpu",
         },
         "requests": {
