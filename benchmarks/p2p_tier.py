@@ -44,6 +44,7 @@ from kvtier import (
     TieringOffloadingManager,
     make_offload_key,
 )
+from kvtier.bench.physical import recv_exactly
 from kvtier.tiers.p2p import PeerTier
 
 MIB = 1 << 20
@@ -139,13 +140,7 @@ def recv_raw(port: int, rows: Any, count: int) -> float:
     with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for i in range(count):
-            row = rows[i % len(rows)]
-            got, size = 0, len(row)
-            while got < size:
-                received = sock.recv_into(row[got:])
-                if received == 0:
-                    raise ConnectionError("the owner hung up")
-                got += received
+            recv_exactly(sock, rows[i % len(rows)])
         elapsed = time.perf_counter() - started
         sock.sendall(b"k")
     return elapsed

@@ -69,3 +69,23 @@ async def store_all(kv: KVTier, ks: list[OffloadKey], first_block: int = 0) -> N
         blocks = list(range(first_block + i, first_block + i + len(part)))
         assert await kv.store(part, blocks, f"w{uuid.uuid4().hex}") == len(part)
         await kv.drain()
+
+
+def damaged(data: bytes, how: str) -> bytes:
+    """``data`` (a stored chunk: header page, then payload) damaged in one way.
+
+    ``flip_payload`` and ``flip_header`` flip one bit; ``truncate`` drops the last
+    1000 bytes; ``append`` adds bytes after the end.
+    """
+    out = bytearray(data)
+    if how == "flip_payload":
+        out[-100] ^= 0x01
+    elif how == "flip_header":
+        out[30] ^= 0x01
+    elif how == "truncate":
+        del out[-1000:]
+    elif how == "append":
+        out += b"extra"
+    else:
+        raise ValueError(f"unknown damage {how!r}")
+    return bytes(out)

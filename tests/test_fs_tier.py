@@ -14,7 +14,7 @@ from pathlib import Path
 import fs_procs
 import pytest
 import torch
-from helpers import keys, store_all, tiering_config
+from helpers import damaged, keys, store_all, tiering_config
 
 from kvtier import KVTier, ReqContext
 from kvtier.metrics import Names
@@ -90,16 +90,7 @@ async def test_damaged_files_are_misses_removed_and_counted_never_served(
         [key] = keys(f"damage-{damage}", 1)
         await store_all(kv, [key])
         path = fs_tier(kv).path_of(key)
-        data = bytearray(path.read_bytes())
-        if damage == "flip_payload":
-            data[-100] ^= 0x01
-        elif damage == "flip_header":
-            data[30] ^= 0x01
-        elif damage == "truncate":
-            data = data[:-1000]
-        else:
-            data += b"extra"
-        path.write_bytes(bytes(data))
+        path.write_bytes(damaged(path.read_bytes(), damage))
         await forget_primary(kv)
         before = kv_cache[50].clone()
         assert await kv.lookup([key], "reader", timeout=30) == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio.to_thread
 import pytest
 import torch
-from helpers import keys, store_all, tiering_config
+from helpers import damaged, keys, store_all, tiering_config
 from s3_servers import (
     ACCESS_KEY,
     SECRET_KEY,
@@ -274,17 +274,10 @@ async def test_damaged_objects_are_misses_deleted_and_counted_never_served(
             name = tier.object_key(key)
             data = await object_bytes(moto.endpoint, bucket, name)
             assert data is not None
-            data = bytearray(data)
-            if damage == "flip_payload":
-                data[-100] ^= 0x01
-            elif damage == "flip_header":
-                data[30] ^= 0x01
-            elif damage == "truncate":
-                data = data[:-1000]
-            elif damage == "append":
-                data += b"extra"
-            else:
+            if damage == "another_key":
                 data = await object_bytes(moto.endpoint, bucket, tier.object_key(decoy))
+            else:
+                data = damaged(data, damage)
         assert data is not None
         await put_bytes(moto.endpoint, bucket, name, bytes(data))
         await kv.reset()

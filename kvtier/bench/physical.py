@@ -29,6 +29,7 @@ __all__ = [
     "measure_loopback",
     "measure_memcpy",
     "measure_s3",
+    "recv_exactly",
 ]
 
 _HEADER = 4096
@@ -182,12 +183,7 @@ def measure_loopback(count: int, chunk: int) -> float:
             view = memoryview(target)
             started = time.perf_counter()
             for _ in range(count):
-                got = 0
-                while got < chunk:
-                    received = sock.recv_into(view[got:])
-                    if received == 0:
-                        raise ConnectionError("the loopback sender hung up")
-                    got += received
+                recv_exactly(sock, view)
             elapsed = time.perf_counter() - started
             view.release()
             sock.sendall(b"k")
@@ -195,3 +191,13 @@ def measure_loopback(count: int, chunk: int) -> float:
     source.close()
     target.close()
     return count * chunk / elapsed / 1e9
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from a blocking ``sock``; ConnectionError if the sender hangs up."""
+    got, size = 0, len(view)
+    while got < size:
+        received = sock.recv_into(view[got:])
+        if received == 0:
+            raise ConnectionError("the sender hung up")
+        got += received
