@@ -200,7 +200,7 @@ def _bench(args: argparse.Namespace) -> int:
         _fail("--tiers needs at least one tier")
     if args.plot is not None:
         try:
-            import matplotlib  # type: ignore[import-not-found]  # noqa: F401
+            import matplotlib  # noqa: F401
         except ImportError:
             _fail("--plot needs matplotlib: pip install 'kvtier[plot]'")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import urllib.request
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.bench.report import plot
 from kvtier.bench.workloads import WORKLOADS, WorkloadSize, build_workload, chain_keys
 from kvtier.cli import main
 
@@ -144,16 +146,21 @@ def test_a_bad_extra_config_value_is_reported_by_its_key(tmp_path, capsys):
     assert "eviction_policy: unknown eviction policy 'mru'" in capsys.readouterr().err
 
 
-def test_plot_without_matplotlib_says_how_to_get_it(capsys):
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        with pytest.raises(SystemExit) as info:
-            main(["bench", *SMALL, "--plot", "out.png"])
-        assert info.value.code == 2
-        assert "pip install 'kvtier[plot]'" in capsys.readouterr().err
-    else:
-        pytest.skip("matplotlib is installed here")
+def test_plot_without_matplotlib_says_how_to_get_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *SMALL, "--plot", "out.png"])
+    assert info.value.code == 2
+    assert "pip install 'kvtier[plot]'" in capsys.readouterr().err
+
+
+def test_plot_draws_hit_rate_and_throughput_over_time(tmp_path):
+    report = run_bench(tmp_path, "--workload", "multi-round-qa")
+    picture = tmp_path / "bench.png"
+    assert plot([report], picture) >= 2 * (len(report["timeline"]) - 1) > 0
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    run_bench(tmp_path, "--workload", "no-reuse", "--plot", str(picture))  # from the command
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def scrape(url: str) -> str:

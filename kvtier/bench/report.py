@@ -153,14 +153,18 @@ def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def plot(reports: Sequence[dict[str, Any]], path: Path) -> None:
-    """Hit rate and each tier's throughput over time (needs matplotlib)."""
-    import matplotlib  # type: ignore[import-not-found]
+def plot(reports: Sequence[dict[str, Any]], path: Path) -> int:
+    """Draw hit rate and each tier's throughput over time (needs matplotlib).
+
+    Returns how many points were drawn: none when a run was shorter than two samples.
+    """
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # type: ignore[import-not-found]
+    import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(2, len(reports), figsize=(6 * len(reports), 7), squeeze=False)
+    points = 0
     for column, report in enumerate(reports):
         timeline = report["timeline"]
         times = [point["t"] for point in timeline]
@@ -169,7 +173,8 @@ def plot(reports: Sequence[dict[str, Any]], path: Path) -> None:
         for before, after in itertools.pairwise(timeline):
             chunks = after["chunks"] - before["chunks"]
             rates.append((after["hits"] - before["hits"]) / chunks if chunks else float("nan"))
-        hit_axis.plot(times[1:], rates)
+        hit_axis.plot(times[1:], rates, marker=".")
+        points += len(rates)
         hit_axis.set_title(f"{report['workload']}: chunk hit rate")
         hit_axis.set_ylim(0, 1)
         for label in timeline[0]["tiers"] if timeline else []:
@@ -180,10 +185,14 @@ def plot(reports: Sequence[dict[str, Any]], path: Path) -> None:
                     / GB
                     for before, after in itertools.pairwise(timeline)
                 ]
-                rate_axis.plot(times[1:], speeds, style, label=f"{label} {field.split('_')[1]}")
+                rate_axis.plot(
+                    times[1:], speeds, style, marker=".", label=f"{label} {field.split('_')[1]}"
+                )
+                points += len(speeds)
         rate_axis.set_title("tier throughput (GB/s)")
         rate_axis.set_xlabel("seconds")
         rate_axis.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+    return points
