@@ -159,7 +159,8 @@ class KVTier:
             if not pending or not await self._wait_step(deadline):
                 break
         hits = _leading(keys, pins)
-        stray = [key for key in pins if key not in set(keys[:hits])]
+        leading = set(keys[:hits])
+        stray = [key for key in pins if key not in leading]
         if stray:
             manager.complete_load(stray, req)
             for key in stray:
