@@ -115,28 +115,6 @@ def test_a_secondary_tiers_list_in_the_config_replaces_the_tiers_option(tmp_path
     assert any(mine.rglob("*.kvt"))
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["bench", "--workload", "chat"], "invalid choice: 'chat'"),
-        (["bench", "--tiers", "tape"], "--tiers: unknown tier 'tape'"),
-        (["bench", "--tiers", "fs,s3,fs"], "--tiers: fs is named twice"),
-        (["bench", "--tiers", ","], "--tiers needs at least one tier"),
-        (["bench", "--config", "/no/such/file.json"], "cannot read /no/such/file.json"),
-        (["bench", "--concurrency", "0"], "expected a positive integer"),
-        (["bench", "--metrics-port", "70000"], "--metrics-port must be a TCP port"),
-        (["inspect", "/no/such/dir"], "/no/such/dir does not exist"),
-    ],
-)
-def test_bad_arguments_get_one_line_and_exit_code_2(argv, message, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err
-    assert err.count("\n") == 1
-
-
 def test_a_bad_extra_config_value_is_reported_by_its_key(tmp_path, capsys):
     config = tmp_path / "extra.json"
     config.write_text(json.dumps({"eviction_policy": "mru"}))

@@ -47,6 +47,14 @@ def test_plan_reads_extra_config_from_a_file(tmp_path, capsys):
         (["plan", "--kv-bytes-per-block", "4096", "--config", "/no/such.json"], "cannot read"),
         (["plan"], "--kv-bytes-per-block"),
         (["frobnicate"], "invalid choice"),
+        (["bench", "--workload", "chat"], "invalid choice: 'chat'"),
+        (["bench", "--tiers", "tape"], "--tiers: unknown tier 'tape'"),
+        (["bench", "--tiers", "fs,s3,fs"], "--tiers: fs is named twice"),
+        (["bench", "--tiers", ","], "--tiers needs at least one tier"),
+        (["bench", "--config", "/no/such/file.json"], "cannot read /no/such/file.json"),
+        (["bench", "--concurrency", "0"], "expected a positive integer"),
+        (["bench", "--metrics-port", "70000"], "--metrics-port must be a TCP port"),
+        (["inspect", "/no/such/dir"], "/no/such/dir does not exist"),
     ],
 )
 def test_bad_arguments_get_one_line_and_exit_code_2(argv, message, capsys):
