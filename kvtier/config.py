@@ -16,16 +16,15 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvtier._secrets import redact
 from kvtier.errors import ConfigError
 
 __all__ = [
     "FORMAT_VERSION",
     "PAGE_SIZE",
-    "SECRET_KEYS",
     "ChunkGeometry",
     "ConfigReader",
     "OffloadingConfig",
-    "redact",
     "storage_namespace",
 ]
 
@@ -94,21 +93,6 @@ class OffloadingConfig:
             )
         if not isinstance(self.enable_kv_events, bool):
             raise ConfigError("enable_kv_events", "expected true or false")
-
-
-#: Setting names whose values are credentials: logs, reprs and errors never show them.
-SECRET_KEYS = frozenset(
-    {"secret", "secret_access_key", "session_token", "access_key_id", "password", "token"}
-)
-
-
-def redact(value: object) -> object:
-    """``value`` with every credential inside it replaced by ``'<hidden>'``."""
-    if isinstance(value, Mapping):
-        return {k: "<hidden>" if k in SECRET_KEYS else redact(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact(item) for item in value]
-    return value
 
 
 def _check_int(path: str, value: object, *, minimum: int, maximum: int | None = None) -> None:

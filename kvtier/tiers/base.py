@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from kvtier.config import ConfigReader
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricDefinition, MetricsRecorder
 from kvtier.records import Medium, OffloadingEvent
 from kvtier.region import PrimaryView
+from kvtier.resources import AsyncResource
 
 __all__ = [
     "JobResult",
@@ -30,6 +31,7 @@ __all__ = [
     "SecondaryTier",
     "TierContext",
     "TierCounters",
+    "TierSettings",
     "TransferJob",
     "UnpinRequest",
 ]
@@ -178,12 +180,26 @@ class TierContext:
         self.counters.integrity_failures += count
 
 
-class SecondaryTier(ABC):
+class TierSettings(Protocol):
+    """A tier's parameters, parsed and checked: a frozen dataclass by convention.
+
+    ``from_params`` reads the tier's keyword parameters (the framework's own keys
+    removed), raises :class:`~kvtier.ConfigError` naming ``path.key`` for a bad or
+    unknown one, and opens nothing: it runs whenever a configuration is checked.
+    """
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], path: str) -> Any: ...
+
+
+class SecondaryTier(AsyncResource):
     """One tier behind the primary tier.
 
     Subclasses set :attr:`medium`, take their parameters as keyword arguments
     (``type``, ``module_path`` and the framework's own keys never reach them), and
-    implement :meth:`lookup`, :meth:`store` and :meth:`load`.
+    implement :meth:`lookup`, :meth:`store` and :meth:`load`. A tier with parameters
+    names their :class:`TierSettings` in :attr:`settings_class`, so that a configuration
+    is checked before anything is built.
 
     Every coroutine runs on the tier event loop and must never block it: file and
     checksum work goes to a thread (``anyio.to_thread.run_sync`` with a bounded
@@ -196,11 +212,24 @@ class SecondaryTier(ABC):
     medium: ClassVar[Medium] = Medium.STORAGE
     #: ``"local"`` or ``"remote"``; picks the default back-pressure water marks.
     locality: ClassVar[str] = "local"
+    #: The parsed form of this tier's parameters; None for a tier that reads its
+    #: keyword arguments itself.
+    settings_class: ClassVar[type[TierSettings] | None] = None
 
     def __init__(self, ctx: TierContext, **params: Any) -> None:
         self.ctx = ctx
 
-    async def start(self) -> None:  # noqa: B027 - tiers without setup need nothing here
+    @classmethod
+    def check_params(cls, params: Mapping[str, Any], path: str) -> None:
+        """Check the tier's parameters without building anything.
+
+        Raises:
+            ConfigError: a parameter is missing, invalid or unknown (named by its path).
+        """
+        if cls.settings_class is not None:
+            cls.settings_class.from_params(params, path)
+
+    async def start(self) -> None:
         """Open connections or scan an index. Raising aborts the manager's start."""
 
     @abstractmethod
@@ -227,14 +256,14 @@ class SecondaryTier(ABC):
         """
         return None
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Record a use of ``keys`` for the tier's own eviction. Runs on the scheduler's
         thread: in-memory bookkeeping only."""
 
-    def on_request_finished(self, req_id: str) -> None:  # noqa: B027 - optional hook
+    def on_request_finished(self, req_id: str) -> None:
         """The request left the scheduler and none of its stores is pending any more."""
 
-    def on_primary_removed(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
+    def on_primary_removed(self, keys: Sequence[OffloadKey]) -> None:
         """``keys`` left the primary tier (evicted or reset).
 
         For tiers that serve the primary tier to others. Called by the manager from the
@@ -245,8 +274,12 @@ class SecondaryTier(ABC):
         """Store and removal events of this tier since the last call."""
         return []
 
-    async def aclose(self) -> None:  # noqa: B027 - tiers without resources need nothing here
-        """Release connections and files. Jobs have drained when this is called."""
+    async def aclose(self) -> None:
+        """Release connections and files. Jobs have drained when this is called.
+
+        Called once by the framework; a tier used on its own may be closed again, so
+        keep it idempotent.
+        """
 
     @classmethod
     def build_metric_definitions(

@@ -21,9 +21,7 @@ def test_default_spec_is_the_cpu_spec(engine_id):
 
 
 def test_out_of_tree_spec_is_imported_by_module_path(engine_id):
-    config = make_config(
-        engine_id, spec_name="PlainCPUSpec", spec_module_path="test_specs", team="kv"
-    )
+    config = make_config(engine_id, spec_name="PlainCPUSpec", spec_module_path=__name__, team="kv")
     spec = OffloadingSpecFactory.create_spec(config)
     assert type(spec).__name__ == "PlainCPUSpec"
     spec.shutdown()
