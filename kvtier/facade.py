@@ -7,7 +7,6 @@ import contextlib
 import os
 import time
 from collections.abc import Coroutine, Sequence
-from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
@@ -18,8 +17,10 @@ from kvtier.errors import KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.records import LookupResult, ReqContext
 from kvtier.region import DEFAULT_SHM_DIR
+from kvtier.resources import AsyncResource, TaskSet
 from kvtier.specs.base import OffloadingSpec
 from kvtier.specs.factory import OffloadingSpecFactory
+from kvtier.tiering.loop import HostLoop
 from kvtier.tiering.manager import TieringOffloadingManager
 from kvtier.worker.engines import CopyEngine
 from kvtier.worker.worker import BlockIds, OffloadingWorker
@@ -29,7 +30,7 @@ __all__ = ["KVTier"]
 _T = TypeVar("_T")
 
 
-class KVTier:
+class KVTier(AsyncResource):
     """The manager and one worker, driven through ``await``.
 
     ``gpu_block_ids`` arguments hold ``blocks_per_chunk`` GPU block ids per key, in
@@ -59,7 +60,8 @@ class KVTier:
         self._spec: OffloadingSpec | None = None
         self._manager: TieringOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        #: Copies that must run to their end even if their caller is cancelled.
+        self._copies = TaskSet("KVTier", log_failures=False)
         #: Keys lookup() pinned for each request, with their slots.
         self._pins: dict[str, dict[OffloadKey, int]] = {}
         self._closed = False
@@ -81,14 +83,6 @@ class KVTier:
         await self._open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     async def _open(self) -> None:
         if self._spec is not None:
             raise KVTierError("this KVTier is already open")
@@ -97,11 +91,11 @@ class KVTier:
         )
         self._spec = spec
         try:
-            self._manager = spec.get_manager()
+            self._manager = spec.get_manager(loop=HostLoop())
             await self._manager.start()
             self._worker = spec.create_worker(self._kv_caches, engine=self._engine)
         except BaseException:
-            await self._release()
+            await spec.aclose()
             raise
 
     # ------------------------------------------------------------ properties
@@ -260,7 +254,7 @@ class KVTier:
     ) -> int | None:
         manager, worker = self.manager, self.worker
         while (out := manager.prepare_store(keys, req)) is None:
-            if not (self._tasks or manager.has_pending_work()) or not await self._wait(deadline):
+            if not (self._copies or manager.has_pending_work()) or not await self._wait(deadline):
                 return None
         if not out.keys_to_store:
             return 0
@@ -298,16 +292,14 @@ class KVTier:
 
         Waits for the copies and jobs in flight; pins of earlier lookups are dropped.
         """
-        while self._tasks:
-            await asyncio.wait(list(self._tasks))
+        await self._copies.wait()
         for req_id in list(self._pins):
             self.finish(req_id)
         await self.manager.areset_cache()
 
     async def drain(self) -> None:
         """Wait for every copy this facade started and every cascade and promotion."""
-        while self._tasks:
-            await asyncio.wait(list(self._tasks))
+        await self._copies.wait()
         await self.manager.drain()
 
     async def aclose(self) -> None:
@@ -319,18 +311,11 @@ class KVTier:
             if self._manager is not None and self._worker is not None:
                 await self.drain()
         finally:
-            await self._release()
-
-    async def _release(self) -> None:
-        for req_id in list(self._pins):
             if self._manager is not None:
-                self.finish(req_id)
-        if self._worker is not None:
-            await self._worker.aclose()
-        if self._manager is not None:
-            await self._manager.aclose()
-        if self._spec is not None:
-            self._spec.shutdown()
+                for req_id in list(self._pins):
+                    self.finish(req_id)
+            if self._spec is not None:
+                await self._spec.aclose()
 
     # --------------------------------------------------------------- helpers
 
@@ -349,10 +334,7 @@ class KVTier:
         return [int(block) for block in ids]
 
     async def _shielded(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return await asyncio.shield(task)
+        return await asyncio.shield(self._copies.spawn(coro))
 
     @staticmethod
     def _require(value: _T | None) -> _T:

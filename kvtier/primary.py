@@ -64,7 +64,7 @@ class PrimaryTier:
         self.num_chunks = num_chunks
         self.policy = policy
         # key -> record, kept beside the policy so that a lookup is one dict probe.
-        self.records: dict[OffloadKey, SlotRecord] = {}
+        self._records: dict[OffloadKey, SlotRecord] = {}
         # Popped from the end: slot 0 is handed out first.
         self._free: list[int] = list(range(num_chunks - 1, -1, -1))
         self.num_evictable = 0
@@ -78,18 +78,39 @@ class PrimaryTier:
     # ----------------------------------------------------------------- queries
 
     def lookup(self, key: OffloadKey) -> LookupResult:
-        record = self.records.get(key)
+        record = self._records.get(key)
         if record is None:
             return LookupResult.MISS
         return LookupResult.HIT if record.ref_cnt >= 0 else LookupResult.HIT_PENDING
 
     def is_readable(self, key: OffloadKey) -> bool:
-        record = self.records.get(key)
+        record = self._records.get(key)
         return record is not None and record.ref_cnt >= 0
 
     def slot_of(self, key: OffloadKey) -> int | None:
-        record = self.records.get(key)
+        record = self._records.get(key)
         return None if record is None else record.slot
+
+    def ref_count(self, key: OffloadKey) -> int | None:
+        """None if ``key`` is not stored, -1 while it is written, else its pin count."""
+        record = self._records.get(key)
+        return None if record is None else record.ref_cnt
+
+    def readable_prefix(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading ``keys`` are readable now."""
+        records = self._records
+        for count, key in enumerate(keys):
+            record = records.get(key)
+            if record is None or record.ref_cnt < 0:
+                return count
+        return len(keys)
+
+    def slots(self) -> dict[OffloadKey, int]:
+        """Every stored key (readable or being written) with its slot."""
+        return {key: record.slot for key, record in self._records.items()}
+
+    def readable_keys(self) -> list[OffloadKey]:
+        return [key for key, record in self._records.items() if record.ref_cnt >= 0]
 
     @property
     def num_free(self) -> int:
@@ -97,12 +118,12 @@ class PrimaryTier:
 
     @property
     def num_stored(self) -> int:
-        return len(self.records)
+        return len(self._records)
 
     @property
     def num_busy(self) -> int:
         """Slots that cannot be reused right now: being written or pinned."""
-        return len(self.records) - self.num_evictable
+        return len(self._records) - self.num_evictable
 
     # ------------------------------------------------------------------ loads
 
@@ -112,7 +133,7 @@ class PrimaryTier:
         Raises:
             StateError: a key is not stored or not yet readable (nothing is pinned).
         """
-        records = self.records
+        records = self._records
         chosen: list[SlotRecord] = []
         for key in keys:
             record = records.get(key)
@@ -133,7 +154,7 @@ class PrimaryTier:
         Raises:
             StateError: a key is not pinned (nothing is released).
         """
-        records = self.records
+        records = self._records
         chosen: list[SlotRecord] = []
         for key in keys:
             record = records.get(key)
@@ -148,6 +169,24 @@ class PrimaryTier:
                 self.num_evictable += 1
                 self.policy.mark_evictable(key)
 
+    def pin_readable(self, keys: Iterable[OffloadKey]) -> dict[OffloadKey, int]:
+        """Pin each of ``keys`` that is readable now (others are skipped); their slots.
+
+        Each key is pinned once even if it repeats. Released with :meth:`complete_load`.
+        """
+        records = self._records
+        pinned: dict[OffloadKey, int] = {}
+        for key in keys:
+            record = records.get(key)
+            if record is None or record.ref_cnt < 0 or key in pinned:
+                continue
+            if record.ref_cnt == 0:
+                self.num_evictable -= 1
+                self.policy.mark_non_evictable(key)
+            record.ref_cnt += 1
+            pinned[key] = record.slot
+        return pinned
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.policy.touch(keys)
 
@@ -159,7 +198,7 @@ class PrimaryTier:
         Keys of this call are never evicted for it. Returns None, changing nothing,
         when not enough slots can be freed.
         """
-        records = self.records
+        records = self._records
         to_store = [key for key in dict.fromkeys(keys) if key not in records]
         if not to_store:
             return PrepareStoreOutput(keys_to_store=[], store_spec=_EMPTY_SPEC, evicted_keys=[])
@@ -202,7 +241,7 @@ class PrimaryTier:
         Keys that are not being written are ignored. Returns the keys that became
         readable.
         """
-        records = self.records
+        records = self._records
         policy = self.policy
         done: list[OffloadKey] = []
         for key in keys:
@@ -231,10 +270,10 @@ class PrimaryTier:
         """
         slots: list[int] = []
         for key in keys:
-            record = self.records.get(key)
+            record = self._records.get(key)
             if record is None or record.ref_cnt != -1:
                 continue
-            del self.records[key]
+            del self._records[key]
             self.policy.remove(key)
             self.num_writing -= 1
             slots.append(record.slot)
@@ -248,9 +287,8 @@ class PrimaryTier:
 
     def reset(self) -> None:
         """Forget every key. The caller guarantees no copy touches a slot any more."""
-        readable = [key for key, record in self.records.items() if record.ref_cnt >= 0]
-        self._events.add(readable, self.medium, True, self.label)
-        self.records.clear()
+        self._events.add(self.readable_keys(), self.medium, True, self.label)
+        self._records.clear()
         self.policy.clear()
         self._free = list(range(self.num_chunks - 1, -1, -1))
         self.num_evictable = 0

@@ -13,11 +13,11 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["AsyncResource", "TaskSet", "resolve_threadsafe"]
+__all__ = ["AsyncResource", "Once", "TaskSet", "resolve_threadsafe"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,36 @@ class TaskSet:
             if pending:
                 return False
         return True
+
+
+class Once:
+    """An async operation that runs at most once; every caller awaits that one run.
+
+    The run is a task of its own, so a caller that is cancelled stops waiting without
+    stopping it; a failure reaches every caller.
+    """
+
+    def __init__(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._fn = fn
+        self._run: asyncio.Future[None] | None = None
+
+    @property
+    def begun(self) -> bool:
+        return self._run is not None
+
+    @property
+    def running(self) -> bool:
+        return self._run is not None and not self._run.done()
+
+    async def __call__(self) -> None:
+        if self._run is None:
+            self._run = asyncio.ensure_future(self._fn())
+        await asyncio.shield(self._run)
+
+    async def wait(self) -> None:
+        """Wait for a run that has begun to end, whatever its outcome."""
+        if self._run is not None and not self._run.done():
+            await asyncio.wait({self._run})
 
 
 def resolve_threadsafe(future: asyncio.Future[_T], value: _T) -> None:

@@ -57,7 +57,7 @@ def test_prepare_store_changes_nothing_when_pinned_keys_block_it():
     stored(primary, [a, b])
     primary.prepare_load([a])
     assert primary.prepare_store([c, d]) is None
-    assert set(primary.records) == {a, b}
+    assert set(primary.slots()) == {a, b}
     assert primary.num_evictable == 1
 
 
@@ -83,10 +83,10 @@ def test_pins_count_readers():
     stored(primary, [a])
     primary.prepare_load([a])
     primary.prepare_load([a])
-    assert primary.records[a].ref_cnt == 2
+    assert primary.ref_count(a) == 2
     primary.complete_load([a])
     primary.complete_load([a])
-    assert primary.records[a].ref_cnt == 0
+    assert primary.ref_count(a) == 0
     assert primary.num_evictable == 1
 
 
@@ -96,7 +96,7 @@ def test_loading_a_missing_key_raises_and_pins_nothing():
     stored(primary, [a])
     with pytest.raises(StateError, match="not stored"):
         primary.prepare_load([a, b])
-    assert primary.records[a].ref_cnt == 0
+    assert primary.ref_count(a) == 0
 
 
 def test_loading_a_key_being_written_raises():
@@ -122,7 +122,7 @@ def test_secondary_facing_aliases_are_the_same_operations():
     assert out is not None and out.keys_to_store == [a]
     primary.complete_write([a])
     spec = primary.prepare_read([a])
-    assert primary.records[a].ref_cnt == 1
+    assert primary.ref_count(a) == 1
     primary.complete_read([a])
     assert list(spec.chunk_ids) == [primary.slot_of(a)]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -12,10 +12,12 @@ from prometheus_client import CollectorRegistry
 from kvtier.config import ConfigReader, OffloadingConfig
 from kvtier.metrics import MetricDefinition
 from kvtier.region import DEFAULT_SHM_DIR
+from kvtier.resources import AsyncResource
 
 if TYPE_CHECKING:
     import torch
 
+    from kvtier.tiering.loop import TierLoop
     from kvtier.tiering.manager import TieringOffloadingManager
     from kvtier.worker.engines import CopyEngine
     from kvtier.worker.worker import OffloadingWorker
@@ -23,13 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["OffloadingSpec"]
 
 
-class OffloadingSpec(ABC):
+class OffloadingSpec(AsyncResource):
     """A way of offloading: reads the config and builds what the host needs.
 
     The scheduler process calls :meth:`get_manager`; each worker process calls
-    :meth:`create_worker` with its KV tensors; :meth:`shutdown` releases whatever
-    either built. Out-of-tree specs subclass this (or a built-in spec) and are selected
-    with ``extra_config["spec_name"]`` plus ``extra_config["spec_module_path"]``.
+    :meth:`create_worker` with its KV tensors; :meth:`shutdown` (or ``await``
+    :meth:`aclose`) releases whatever either built. Out-of-tree specs subclass this (or
+    a built-in spec) and are selected with ``extra_config["spec_name"]`` plus
+    ``extra_config["spec_module_path"]``.
 
     Every ``extra_config`` key must be read by the spec or listed in
     :attr:`extra_keys`; any other key raises :class:`~kvtier.ConfigError`, so a typo
@@ -61,7 +64,7 @@ class OffloadingSpec(ABC):
         self.read_settings(reader)
         reader.reject_unknown(self.extra_keys)
 
-    def read_settings(self, reader: ConfigReader) -> None:  # noqa: B027 - optional hook
+    def read_settings(self, reader: ConfigReader) -> None:
         """Read this spec's own ``extra_config`` keys (subclasses extend, calling super)."""
 
     @classmethod
@@ -72,8 +75,13 @@ class OffloadingSpec(ABC):
         return {}
 
     @abstractmethod
-    def get_manager(self) -> TieringOffloadingManager:
-        """The scheduler-side manager (built once, on the first call)."""
+    def get_manager(self, *, loop: TierLoop | None = None) -> TieringOffloadingManager:
+        """The scheduler-side manager (built once, on the first call).
+
+        ``loop`` is where secondary tiers run. None (a synchronous host such as vLLM's
+        scheduler): the manager gets a loop thread of its own and comes back started.
+        An async host passes ``HostLoop()`` and awaits ``manager.start()``.
+        """
 
     @abstractmethod
     def create_worker(
@@ -81,5 +89,11 @@ class OffloadingSpec(ABC):
     ) -> OffloadingWorker:
         """A worker for rank ``config.rank`` copying between ``kv_caches`` and the region."""
 
-    def shutdown(self) -> None:  # noqa: B027 - specs without resources need nothing here
-        """Release the manager, workers and region this spec built. Idempotent."""
+    def shutdown(self) -> None:
+        """Release the manager, workers and regions this spec built. Idempotent.
+
+        Blocks while copies and tier jobs drain; an async host awaits :meth:`aclose`.
+        """
+
+    async def aclose(self) -> None:
+        """:meth:`shutdown` without blocking the event loop."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from kvtier.worker.worker import OffloadingWorker
 if TYPE_CHECKING:
     import torch
 
+    from kvtier.tiering.loop import TierLoop
     from kvtier.worker.engines import CopyEngine
 
 __all__ = ["CPUOffloadingSpec"]
@@ -95,23 +97,25 @@ class CPUOffloadingSpec(OffloadingSpec):
             self.build_metric_definitions(self.config.extra_config), self.registry
         )
 
-    def get_manager(self) -> TieringOffloadingManager:
+    def new_primary(self) -> PrimaryTier:
+        return PrimaryTier(
+            self.num_chunks,
+            self.policy_class(self.num_chunks),
+            enable_events=self.config.enable_kv_events,
+        )
+
+    def get_manager(self, *, loop: TierLoop | None = None) -> TieringOffloadingManager:
+        """The manager of the primary tier alone (it needs no loop; ``loop`` is unused)."""
         if self._manager is None:
-            region = self.open_region(None)
-            try:
-                policy = self.policy_class(self.num_chunks)
-                primary = PrimaryTier(
-                    self.num_chunks, policy, enable_events=self.config.enable_kv_events
-                )
+            with contextlib.ExitStack() as building:
+                region = building.enter_context(self.open_region(None))
                 self._manager = TieringOffloadingManager(
-                    primary,
+                    self.new_primary(),
                     region=region,
                     metrics=self.new_metrics(),
                     store_threshold=self.store_threshold,
                 )
-            except BaseException:
-                region.close()
-                raise
+                building.pop_all()  # the manager owns the region now
             logger.info(
                 "primary tier: %d chunks of %d bytes (%s eviction)",
                 self.num_chunks,
@@ -123,12 +127,10 @@ class CPUOffloadingSpec(OffloadingSpec):
     def create_worker(
         self, kv_caches: Sequence[torch.Tensor], *, engine: CopyEngine | None = None
     ) -> OffloadingWorker:
-        region = self.open_region(self.config.rank)
-        try:
+        with contextlib.ExitStack() as building:
+            region = building.enter_context(self.open_region(self.config.rank))
             worker = OffloadingWorker(region, kv_caches, self.blocks_per_chunk, engine=engine)
-        except BaseException:
-            region.close()
-            raise
+            building.pop_all()  # the worker owns its region now
         self._workers.append(worker)
         return worker
 
@@ -138,3 +140,10 @@ class CPUOffloadingSpec(OffloadingSpec):
             worker.close()
         if self._manager is not None:
             self._manager.shutdown()
+
+    async def aclose(self) -> None:
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            await worker.aclose()
+        if self._manager is not None:
+            await self._manager.aclose()

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 from kvtier.config import ConfigReader, storage_namespace
 from kvtier.errors import ConfigError
-from kvtier.metrics import MetricDefinition, tiering_metric_definitions
-from kvtier.primary import PrimaryTier
+from kvtier.metrics import MetricDefinition, MetricsRecorder, tiering_metric_definitions
+from kvtier.region import SharedOffloadRegion
 from kvtier.specs.cpu import CPUOffloadingSpec
 from kvtier.tiering.backpressure import DEFAULT_MARKS, BackpressureSettings
+from kvtier.tiering.loop import LoopThread, TierLoop
 from kvtier.tiering.manager import TieringOffloadingManager, TierOptions
 from kvtier.tiering.runner import RunnerSettings
 from kvtier.tiers.base import PrimaryAccess, SecondaryTier, TierContext
@@ -47,7 +49,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         self.tier_options: list[TierOptions] = []
         for i, tier_config in enumerate(self.tier_configs):
             path = f"secondary_tiers[{i}]"
-            tier_class = SecondaryTierFactory.get_tier_class(tier_config, path)
+            tier_class = SecondaryTierFactory.check_tier(tier_config, path)
             self.tier_classes.append(tier_class)
             self.tier_options.append(
                 _tier_options(tier_config, tier_class, default_backpressure, path)
@@ -71,66 +73,71 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             definitions.update(tier_class.build_metric_definitions(tier_config))
         return definitions
 
-    def get_manager(self) -> TieringOffloadingManager:
-        """Build the region, primary tier, tiers and manager; start the tiers.
+    def get_manager(self, *, loop: TierLoop | None = None) -> TieringOffloadingManager:
+        """Build the region, primary tier, tiers and manager.
 
-        A synchronous host gets a started manager. Called inside a running event loop,
-        the manager shares that loop and the host must ``await manager.start()``. If any
-        step fails, everything built so far is closed (region included) and the error
+        With ``loop`` None (a synchronous host) the tiers get a loop thread of the
+        manager's own and the manager comes back started. An async host passes
+        ``HostLoop()`` and awaits ``manager.start()``. If any step fails, everything
+        built so far is closed (region and loop thread included) and the error
         propagates.
         """
         if self._manager is not None:
             return self._manager
-        region = self.open_region(None)
-        tiers: list[SecondaryTier] = []
-        manager: TieringOffloadingManager | None = None
-        try:
+        with contextlib.ExitStack() as building:
+            region = building.enter_context(self.open_region(None))
+            start_here = loop is None and bool(self.tier_configs)
+            if start_here:
+                loop = LoopThread()
+                building.callback(loop.close)
             metrics = self.new_metrics()
-            for i, tier_config in enumerate(self.tier_configs):
-                name = tier_config.get("name") or tier_config["type"]
-                ctx = TierContext(
-                    primary_view=region.primary_view,
-                    chunk_bytes=self.chunk_bytes,
-                    namespace=self.namespace,
-                    tier_name=f"{i + 1}:{name}",
-                    config_path=f"secondary_tiers[{i}]",
-                    model_name=self.config.model_name,
-                    metrics=metrics,
-                    primary=PrimaryAccess(region.primary_view),
-                    enable_events=self.config.enable_kv_events,
-                    job_timeout_s=self.tier_options[i].runner.job_timeout_s,
+            tiers = [
+                SecondaryTierFactory.create_tier(
+                    tier_config, self._tier_context(i, region, metrics)
                 )
-                tiers.append(SecondaryTierFactory.create_tier(tier_config, ctx))
-            primary = PrimaryTier(
-                self.num_chunks,
-                self.policy_class(self.num_chunks),
-                enable_events=self.config.enable_kv_events,
-            )
+                for i, tier_config in enumerate(self.tier_configs)
+            ]
             manager = TieringOffloadingManager(
-                primary,
+                self.new_primary(),
                 tiers=tiers,
                 tier_options=self.tier_options,
                 region=region,
                 metrics=metrics,
+                loop=loop,
             )
-            if not manager.owns_loop:
-                self._manager = manager
-                return manager
-            manager.start_blocking()
-        except BaseException:
-            if manager is not None:
-                manager.shutdown()  # closes the region and stops the manager's loop
-            else:
-                region.close()
-            raise
+            building.pop_all()  # the manager owns the region and the loop now
+        if start_here:
+            try:
+                manager.start_blocking()
+            except BaseException:
+                manager.shutdown()
+                raise
         logger.info(
             "tiering: %d primary chunks of %d bytes, tiers %s",
             self.num_chunks,
             self.chunk_bytes,
-            ", ".join(manager.tier_labels),
+            ", ".join(manager.tier_labels) or "none",
         )
         self._manager = manager
         return manager
+
+    def _tier_context(
+        self, index: int, region: SharedOffloadRegion, metrics: MetricsRecorder
+    ) -> TierContext:
+        tier_config = self.tier_configs[index]
+        name = tier_config.get("name") or tier_config["type"]
+        return TierContext(
+            primary_view=region.primary_view,
+            chunk_bytes=self.chunk_bytes,
+            namespace=self.namespace,
+            tier_name=f"{index + 1}:{name}",
+            config_path=f"secondary_tiers[{index}]",
+            model_name=self.config.model_name,
+            metrics=metrics,
+            primary=PrimaryAccess(region.primary_view),
+            enable_events=self.config.enable_kv_events,
+            job_timeout_s=self.tier_options[index].runner.job_timeout_s,
+        )
 
 
 def _tier_options(

@@ -1,46 +1,100 @@
-"""The event loop tier coroutines run on.
+"""The event loop tier coroutines run on, chosen by whoever builds the manager.
 
-An async host shares its own running loop with the tiers. A synchronous host has none,
-so the manager starts one on a daemon thread and stops it on shutdown. Either way the
+An async host shares its own running loop with the tiers (:class:`HostLoop`). A
+synchronous host has none, so it hands the manager a :class:`LoopThread`, a loop on a
+thread of its own that the manager stops when it closes. Either way the manager's
 scheduler-facing calls never wait for the loop: they hand work over and return.
+
+Blocking calls are portal calls, as in anyio's blocking portal: :meth:`TierLoop.run`
+runs an async function on the loop and blocks the calling thread until it returns, so
+each blocking method of the manager is one line over its async twin. A manager without
+secondary tiers has no loop; its async methods never suspend, and :func:`run_inline`
+runs them to the end on the calling thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["TierLoop"]
+__all__ = ["HostLoop", "LoopThread", "TierLoop", "run_inline"]
 
 _T = TypeVar("_T")
 
 
-class TierLoop:
-    """The host's running loop if there is one, else a loop thread of our own."""
+class TierLoop(ABC):
+    """Where the tiers' coroutines run."""
 
-    def __init__(self) -> None:
-        try:
-            self.loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.owned = True
-            self.loop = asyncio.new_event_loop()
-            ready = threading.Event()
-            self._thread: threading.Thread | None = threading.Thread(
-                target=self._run, args=(ready,), name="kvtier-tiers", daemon=True
-            )
-            self._thread.start()
-            ready.wait()
+    loop: asyncio.AbstractEventLoop
+
+    @abstractmethod
+    def in_loop_thread(self) -> bool:
+        """Whether the calling thread is the loop's own."""
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop: now on the loop's thread, else soon."""
+        if self.in_loop_thread():
+            fn(*args)
         else:
-            self.owned = False
-            self._thread = None
-            self.thread_id = threading.get_ident()
+            self.loop.call_soon_threadsafe(fn, *args)
 
-    def _run(self, ready: threading.Event) -> None:
+    def run(self, fn: Callable[[], Coroutine[Any, Any, _T]], timeout: float | None = None) -> _T:
+        """Run ``fn()`` on the loop and block until it returns (never on the loop thread)."""
+        if self.in_loop_thread():
+            raise RuntimeError(
+                "this call would block the tier event loop from its own thread; "
+                "await its async variant instead"
+            )
+        return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout)
+
+    async def run_async(self, fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+        """Await ``fn()`` on the tier loop from any event loop."""
+        if self.in_loop_thread():
+            return await fn()
+        future = asyncio.run_coroutine_threadsafe(fn(), self.loop)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:  # noqa: B027 - a host's loop has nothing to stop
+        """Stop a loop this object runs; idempotent. A host's loop is left alone."""
+
+
+class HostLoop(TierLoop):
+    """The async host's own loop: the one running where this object is built."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                raise RuntimeError(
+                    "HostLoop() needs a running event loop; a synchronous host uses LoopThread()"
+                ) from None
+        self.loop = loop
+        self._thread_id = threading.get_ident()
+
+    def in_loop_thread(self) -> bool:
+        return threading.get_ident() == self._thread_id
+
+
+class LoopThread(TierLoop):
+    """A loop of its own on a daemon thread, for a synchronous host."""
+
+    def __init__(self, name: str = "kvtier-tiers") -> None:
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._main, args=(ready,), name=name, daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+
+    def _main(self, ready: threading.Event) -> None:
         loop = self.loop
         asyncio.set_event_loop(loop)
-        self.thread_id = threading.get_ident()
+        self._thread_id = threading.get_ident()
         loop.call_soon(ready.set)
         try:
             loop.run_forever()
@@ -51,29 +105,35 @@ class TierLoop:
             loop.close()
 
     def in_loop_thread(self) -> bool:
-        return threading.get_ident() == self.thread_id
+        return threading.get_ident() == self._thread_id
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now if this is the loop's thread, else soon."""
-        if self.in_loop_thread():
-            fn(*args)
-        else:
-            self.loop.call_soon_threadsafe(fn, *args)
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
 
-    def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
-        """Run ``coro`` on the loop and block until it finishes (never from the loop)."""
-        if self.in_loop_thread():
-            coro.close()
-            raise RuntimeError(
-                "cannot block the tier event loop from its own thread; await the async "
-                "variant of this call instead"
-            )
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        """Stop and close a loop this object started; a host's loop is left alone."""
-        if self._thread is None:
+    def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
             return
+        if thread.ident == threading.get_ident():
+            raise RuntimeError("a loop thread cannot be stopped from its own thread")
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self._thread = None
+        thread.join()
+
+
+def run_inline(fn: Callable[[], Awaitable[_T]]) -> _T:
+    """Run ``fn()`` to its end on this thread, for a coroutine that never suspends.
+
+    A manager without secondary tiers has nothing to wait for, so its async methods
+    return without suspending; if one ever did, that is a bug, reported here rather
+    than hung on.
+    """
+    coro = fn()
+    if not isinstance(coro, Coroutine):
+        raise TypeError(f"expected a coroutine function, got {fn!r}")
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("a manager without an event loop was asked to wait for something")

@@ -19,18 +19,17 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvtier._logs import ThrottledLog
 from kvtier.keys import OffloadKey
+from kvtier.resources import AsyncResource, TaskSet
+from kvtier.tiering.outcomes import JobOutcome, JobReleased, LookupOutcome, Outcome
 from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
 
-__all__ = ["JobOutcome", "JobReleased", "LookupOutcome", "RunnerSettings", "TierRunner"]
+__all__ = ["RunnerSettings", "TierRunner", "start_in_order"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-# Failures are logged once with context, then summarised at most this often, so a dead
-# server produces one line every few seconds rather than one per job.
-_FAILURE_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -46,54 +45,7 @@ class RunnerSettings:
     shutdown_grace_s: float = 5.0
 
 
-@dataclass(frozen=True)
-class LookupOutcome:
-    runner: int
-    keys: tuple[OffloadKey, ...]
-    #: One answer per key, or None when the lookup failed or timed out.
-    answers: tuple[bool, ...] | None
-    elapsed: float
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    runner: int
-    job: TransferJob
-    result: JobResult
-    #: Seconds from submission (queueing included) to the outcome.
-    elapsed: float
-    #: False when the job timed out and the tier still holds its slots.
-    released: bool
-
-
-@dataclass(frozen=True)
-class JobReleased:
-    """A timed-out job's coroutine has stopped: its slots are free to reuse."""
-
-    runner: int
-    job: TransferJob
-
-
-class _FailureLog:
-    def __init__(self, label: str) -> None:
-        self._label = label
-        self._suppressed = 0
-        self._last = -_FAILURE_LOG_INTERVAL_S
-
-    def report(self, what: str, exc: BaseException | None) -> None:
-        now = time.monotonic()
-        if now - self._last < _FAILURE_LOG_INTERVAL_S:
-            self._suppressed += 1
-            return
-        more = (
-            f" ({self._suppressed} more failures since the last report)" if self._suppressed else ""
-        )
-        logger.warning("tier %s: %s%s", self._label, what, more, exc_info=exc)
-        self._suppressed = 0
-        self._last = now
-
-
-class TierRunner:
+class TierRunner(AsyncResource):
     """The framework side of one tier: it starts, runs and drains its coroutines."""
 
     def __init__(
@@ -101,19 +53,22 @@ class TierRunner:
         index: int,
         tier: SecondaryTier,
         settings: RunnerSettings,
-        post: Callable[[object], None],
+        post: Callable[[Outcome], None],
     ) -> None:
         self.index = index
         self.tier = tier
         self.label = tier.ctx.tier_name
         self.settings = settings
         self._post = post
-        self._tasks: set[asyncio.Future[Any]] = set()
+        # The runner reports every failure itself, once, through _failures.
+        self._tasks = TaskSet(f"tier {self.label}", log_failures=False)
         # Neither binds to a loop before its first use (Python >= 3.10).
-        self._slots = asyncio.Semaphore(settings.max_concurrent_jobs)
+        self._job_slots = asyncio.Semaphore(settings.max_concurrent_jobs)
         self._ready = asyncio.Event()
         self._broken = False
-        self._failures = _FailureLog(self.label)
+        self._started = False
+        self._closed = False
+        self._failures = ThrottledLog(logger, f"tier {self.label}")
 
     async def start(self) -> None:
         try:
@@ -121,6 +76,7 @@ class TierRunner:
         except BaseException:
             self.abandon()
             raise
+        self._started = True
         self._ready.set()
 
     def abandon(self) -> None:
@@ -131,41 +87,38 @@ class TierRunner:
     # The launch methods run on the loop thread.
 
     def launch_job(self, job: TransferJob, submitted: float) -> None:
-        self._own(asyncio.ensure_future(self._run_job(job, submitted)))
+        self._tasks.spawn(self._run_job(job, submitted))
 
     def launch_lookup(self, keys: tuple[OffloadKey, ...]) -> None:
-        self._own(asyncio.ensure_future(self._run_lookup(keys)))
+        self._tasks.spawn(self._run_lookup(keys))
 
     @property
     def busy(self) -> bool:
         return bool(self._tasks)
 
-    async def drain(self) -> None:
-        """Wait until every coroutine this runner started has finished."""
-        while self._tasks:
-            await asyncio.wait(list(self._tasks))
+    async def aclose(self) -> None:
+        """Drain, giving up on coroutines that outlive every timeout, then close the tier.
 
-    async def close(self) -> None:
-        """Drain, giving up on coroutines that outlive every timeout, then close the tier."""
+        A tier that never started (or failed to) is not closed: it holds nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
         settings = self.settings
         limit = max(settings.job_timeout_s, settings.lookup_timeout_s) + settings.shutdown_grace_s
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=limit)
-        if self._tasks:
-            stuck = list(self._tasks)
+        if not await self._tasks.wait(limit):
             logger.error(
                 "tier %s: %d coroutine(s) still running at shutdown; cancelling them",
                 self.label,
-                len(stuck),
+                len(self._tasks),
             )
-            for task in stuck:
-                task.cancel()
-            await asyncio.wait(stuck, timeout=settings.shutdown_grace_s)
-        await self.tier.aclose()
-
-    def _own(self, task: asyncio.Future[Any]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            await self._tasks.aclose(settings.shutdown_grace_s)
+        if not self._started:
+            return
+        try:
+            await self.tier.aclose()
+        except Exception:
+            logger.exception("tier %s failed to close", self.label)
 
     async def _run_job(self, job: TransferJob, submitted: float) -> None:
         kind = "promotion" if job.is_promotion else "cascade"
@@ -175,7 +128,7 @@ class TierRunner:
             elapsed = time.perf_counter() - submitted
             self._post(JobOutcome(self.index, job, failed, elapsed, released=True))
             return
-        async with self._slots:
+        async with self._job_slots:
             operation = self.tier.load if job.is_promotion else self.tier.store
             finished, outcome, inner = await self._bounded(
                 self._call(operation, job, kind), self.settings.job_timeout_s
@@ -185,10 +138,13 @@ class TierRunner:
                 assert outcome is not None
                 self._post(JobOutcome(self.index, job, outcome, elapsed, released=True))
                 return
-            self._failures.report(
-                f"{kind} job {job.job_id} ({len(job.keys)} chunks) timed out after "
-                f"{self.settings.job_timeout_s:g} s",
-                None,
+            self._failures.warning(
+                f"{kind} timeout",
+                "%s job %d (%d chunks) timed out after %g s",
+                kind,
+                job.job_id,
+                len(job.keys),
+                self.settings.job_timeout_s,
             )
             failed = JobResult(job.job_id, False)
             self._post(JobOutcome(self.index, job, failed, elapsed, released=False))
@@ -206,10 +162,19 @@ class TierRunner:
         try:
             result = await operation(job)
         except Exception as exc:
-            self._failures.report(f"{kind} job {job.job_id} ({len(job.keys)} chunks) failed", exc)
+            self._failures.warning(
+                f"{kind} failure",
+                "%s job %d (%d chunks) failed",
+                kind,
+                job.job_id,
+                len(job.keys),
+                exc_info=exc,
+            )
             return JobResult(job.job_id, False)
         if not isinstance(result, JobResult) or result.job_id != job.job_id:
-            self._failures.report(f"{kind} job {job.job_id} returned {result!r}", None)
+            self._failures.warning(
+                f"{kind} result", "%s job %d returned %r", kind, job.job_id, result
+            )
             return JobResult(job.job_id, False)
         return result
 
@@ -221,9 +186,11 @@ class TierRunner:
         started = time.perf_counter()
         finished, answers, _ = await self._bounded(self._ask(keys), self.settings.lookup_timeout_s)
         if not finished:
-            timeout = self.settings.lookup_timeout_s
-            self._failures.report(
-                f"lookup of {len(keys)} chunks timed out after {timeout:g} s", None
+            self._failures.warning(
+                "lookup timeout",
+                "lookup of %d chunks timed out after %g s",
+                len(keys),
+                self.settings.lookup_timeout_s,
             )
         self._post(LookupOutcome(self.index, keys, answers, time.perf_counter() - started))
 
@@ -231,22 +198,48 @@ class TierRunner:
         try:
             answers = tuple(bool(a) for a in await self.tier.lookup(keys))
         except Exception as exc:
-            self._failures.report(f"lookup of {len(keys)} chunks failed", exc)
+            self._failures.warning(
+                "lookup failure", "lookup of %d chunks failed", len(keys), exc_info=exc
+            )
             return None
         if len(answers) != len(keys):
-            self._failures.report(
-                f"lookup of {len(keys)} chunks returned {len(answers)} answers", None
+            self._failures.warning(
+                "lookup result",
+                "lookup of %d chunks returned %d answers",
+                len(keys),
+                len(answers),
             )
             return None
         return answers
 
     async def _bounded(
         self, coro: Coroutine[Any, Any, _T], timeout: float
-    ) -> tuple[bool, _T | None, asyncio.Future[_T]]:
+    ) -> tuple[bool, _T | None, asyncio.Task[_T]]:
         """Run ``coro`` for at most ``timeout`` s; a late one keeps running, owned here."""
-        inner = asyncio.ensure_future(coro)
-        self._own(inner)
+        inner = self._tasks.spawn(coro)
         done, _ = await asyncio.wait({inner}, timeout=timeout)
         if inner in done:
             return True, inner.result(), inner
         return False, None, inner
+
+
+async def start_in_order(runners: Sequence[TierRunner]) -> None:
+    """Start every tier in order; if one fails, close those before it and re-raise.
+
+    Whatever waits for a tier that will never start is failed rather than left hanging.
+    """
+    started: list[TierRunner] = []
+    try:
+        for runner in runners:
+            await runner.start()
+            started.append(runner)
+    except BaseException:
+        logger.error(
+            "tier %s failed to start; closing the tiers started before it",
+            runners[len(started)].label,
+        )
+        for runner in runners:
+            runner.abandon()
+        for runner in reversed(started):
+            await runner.aclose()
+        raise

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from abc import abstractmethod
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -26,14 +26,13 @@ from kvtier.resources import AsyncResource
 
 __all__ = [
     "JobResult",
-    "PinRequest",
+    "PinBackend",
     "PrimaryAccess",
     "SecondaryTier",
     "TierContext",
     "TierCounters",
     "TierSettings",
     "TransferJob",
-    "UnpinRequest",
 ]
 
 
@@ -70,17 +69,21 @@ class JobResult:
     transfer_time: float | None = None
 
 
-@dataclass(frozen=True)
-class PinRequest:
-    """A tier asks to pin primary slots by key (see :class:`PrimaryAccess`)."""
+class PinBackend(Protocol):
+    """The manager's side of :class:`PrimaryAccess` (it owns the primary tier's state)."""
 
-    keys: tuple[OffloadKey, ...]
-    future: asyncio.Future[dict[OffloadKey, memoryview]]
+    def request_pins(
+        self,
+        keys: tuple[OffloadKey, ...],
+        future: asyncio.Future[dict[OffloadKey, memoryview]],
+    ) -> None:
+        """Pin the readable ``keys`` soon and resolve ``future`` with their rows.
 
+        If ``future`` is done by then (its waiter gave up), release what was pinned.
+        """
 
-@dataclass(frozen=True)
-class UnpinRequest:
-    keys: tuple[OffloadKey, ...]
+    def release_pins(self, keys: tuple[OffloadKey, ...]) -> None:
+        """Release pins taken for a tier. Never blocks; safe from any thread."""
 
 
 class PrimaryAccess:
@@ -94,20 +97,20 @@ class PrimaryAccess:
 
     def __init__(self, view: PrimaryView) -> None:
         self.view = view
-        self._post: Callable[[object], None] | None = None
+        self._backend: PinBackend | None = None
 
-    def bind(self, post: Callable[[object], None]) -> None:
-        """Connect to the manager's request queue (done by the manager)."""
-        self._post = post
+    def bind(self, backend: PinBackend) -> None:
+        """Connect to the manager that owns the primary tier (done by the manager)."""
+        self._backend = backend
 
     async def pin(self, keys: Sequence[OffloadKey]) -> dict[OffloadKey, memoryview]:
         """Pin the readable ``keys``; returns the row of each key that was pinned."""
-        if self._post is None:
+        if self._backend is None:
             raise RuntimeError("this tier's primary access is not bound to a manager")
         future: asyncio.Future[dict[OffloadKey, memoryview]] = (
             asyncio.get_running_loop().create_future()
         )
-        self._post(PinRequest(tuple(keys), future))
+        self._backend.request_pins(tuple(keys), future)
         try:
             return await future
         except asyncio.CancelledError:
@@ -120,8 +123,8 @@ class PrimaryAccess:
 
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         """Release pins :meth:`pin` took. Never blocks; safe from any thread."""
-        if keys and self._post is not None:
-            self._post(UnpinRequest(tuple(keys)))
+        if keys and self._backend is not None:
+            self._backend.release_pins(tuple(keys))
 
     @contextlib.asynccontextmanager
     async def pinned(

@@ -85,17 +85,26 @@ class SecondaryTierFactory:
         return {k: v for k, v in tier_config.items() if k not in FRAMEWORK_KEYS}
 
     @classmethod
-    def create_tier(cls, tier_config: Mapping[str, Any], ctx: TierContext) -> SecondaryTier:
-        """Build the tier ``tier_config`` describes.
+    def check_tier(
+        cls, tier_config: Mapping[str, Any], config_path: str = "secondary_tiers[0]"
+    ) -> type[SecondaryTier]:
+        """The class a tier configuration selects, its parameters checked; builds nothing.
 
         Raises:
             ConfigError: the type cannot be found, or a parameter is unknown, missing or
                 invalid (the message names ``<config_path>.<parameter>``).
         """
-        tier_class = cls.get_tier_class(tier_config, ctx.config_path)
+        tier_class = cls.get_tier_class(tier_config, config_path)
         params = cls.tier_params(tier_config)
-        _check_signature(tier_class, params, ctx.config_path)
-        return tier_class(ctx, **params)
+        _check_signature(tier_class, params, config_path)
+        tier_class.check_params(params, config_path)
+        return tier_class
+
+    @classmethod
+    def create_tier(cls, tier_config: Mapping[str, Any], ctx: TierContext) -> SecondaryTier:
+        """Build the tier ``tier_config`` describes (checked as :meth:`check_tier` does)."""
+        tier_class = cls.check_tier(tier_config, ctx.config_path)
+        return tier_class(ctx, **cls.tier_params(tier_config))
 
 
 def _check_signature(tier_class: type[SecondaryTier], params: dict[str, Any], path: str) -> None:

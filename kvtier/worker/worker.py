@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import queue
@@ -18,6 +17,7 @@ import torch
 from kvtier.errors import KVTierError
 from kvtier.records import TransferResult
 from kvtier.region import SharedOffloadRegion
+from kvtier.resources import AsyncResource, resolve_threadsafe
 from kvtier.worker.engines import COMPLETED, LOAD, STORE, CopyEngine, CopyEvent, CpuCopyEngine
 from kvtier.worker.layout import ColumnLayout
 
@@ -62,8 +62,10 @@ class _Waiter:
                 callback(None)
 
 
-class OffloadingWorker:
+class OffloadingWorker(AsyncResource):
     """Copies chunks between one rank's KV tensors and its column of the region.
+
+    The worker owns ``region`` (this rank's mapping of it) and closes it when it closes.
 
     Synchronous hosts call :meth:`submit_store` / :meth:`submit_load` and poll
     :meth:`get_finished`; async hosts ``await`` :meth:`store` / :meth:`load`. Both run
@@ -81,7 +83,6 @@ class OffloadingWorker:
         blocks_per_chunk: int,
         *,
         engine: CopyEngine | None = None,
-        owns_region: bool = True,
     ) -> None:
         self.region = region
         self.layout = ColumnLayout(kv_caches, region.worker_column(), blocks_per_chunk)
@@ -89,7 +90,6 @@ class OffloadingWorker:
             engine = _default_engine(region, self.layout)
         self.engine = engine
         self.engine.bind(self.layout)
-        self._owns_region = owns_region
         self._finished: deque[TransferResult] = deque()
         self._waiters: dict[str, _Waiter] = {}
         self._inflight = 0
@@ -136,13 +136,10 @@ class OffloadingWorker:
     async def _run(
         self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds
     ) -> TransferResult:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[TransferResult] = loop.create_future()
+        future: asyncio.Future[TransferResult] = asyncio.get_running_loop().create_future()
 
         def deliver(result: TransferResult) -> None:
-            # RuntimeError: the loop is closed, so nobody is waiting any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_resolve, future, result)
+            resolve_threadsafe(future, result)
 
         self._submit(next(self._ids), direction, gpu_block_ids, chunk_ids, deliver)
         return await future
@@ -164,8 +161,7 @@ class OffloadingWorker:
         self._waiters.clear()
         self.engine.close()
         del self.layout
-        if self._owns_region:
-            self.region.close()
+        self.region.close()
 
     async def aclose(self) -> None:
         """:meth:`close` without blocking the event loop."""
@@ -242,11 +238,6 @@ class OffloadingWorker:
         if torch.unique(written).numel() != written.numel():
             raise ValueError(f"{name} of a {direction} must not repeat an id")
         return gpu_ids, slots
-
-
-def _resolve(future: asyncio.Future[TransferResult], result: TransferResult) -> None:
-    if not future.done():
-        future.set_result(result)
 
 
 def _as_ids(name: str, ids: BlockIds) -> torch.Tensor:

@@ -220,11 +220,10 @@ class PrimaryMachine(RuleBasedStateMachine):
     @rule(ids=st.lists(st.integers(0, 12), min_size=1, max_size=4))
     def prepare_store(self, ids):
         call = [k(i) for i in ids]
-        before = dict(self.primary.records)
-        slots_before = {key: rec.slot for key, rec in before.items()}
+        slots_before = self.primary.slots()
         out = self.primary.prepare_store(call)
         if out is None:
-            assert {key: rec.slot for key, rec in self.primary.records.items()} == slots_before
+            assert self.primary.slots() == slots_before
             return
         assert not set(out.evicted_keys) & set(call)
         for key in out.evicted_keys:
@@ -261,18 +260,18 @@ class PrimaryMachine(RuleBasedStateMachine):
 
     @invariant()
     def capacity_is_never_exceeded_and_slots_are_unique(self):
-        slots = [rec.slot for rec in self.primary.records.values()]
+        slots = list(self.primary.slots().values())
         assert len(slots) <= self.capacity
         assert len(set(slots)) == len(slots)
         assert self.primary.num_free + len(slots) == self.capacity
 
     @invariant()
     def model_and_tier_agree(self):
-        assert set(self.primary.records) == self.writing | set(self.readable)
+        assert set(self.primary.slots()) == self.writing | set(self.readable)
         for key, pins in self.readable.items():
-            assert self.primary.records[key].ref_cnt == pins
+            assert self.primary.ref_count(key) == pins
         for key in self.writing:
-            assert self.primary.records[key].ref_cnt == -1
+            assert self.primary.ref_count(key) == -1
 
 
 class ArcPrimaryMachine(PrimaryMachine):

@@ -9,6 +9,7 @@ from scripted_tier import ScriptedTier
 from kvtier import OffloadingSpecFactory, ReqContext
 from kvtier.metrics import Names
 from kvtier.tiering.backpressure import Backpressure, BackpressureSettings
+from kvtier.tiering.loop import HostLoop
 
 MIB = 1 << 20
 
@@ -106,7 +107,7 @@ async def test_a_slow_tier_gets_its_cascades_dropped_and_counted_while_loads_sti
         )
     ]
     spec = OffloadingSpecFactory.create_spec(tiering_config(engine_id, tiers, chunks=16))
-    manager = spec.get_manager()
+    manager = spec.get_manager(loop=HostLoop())
     await manager.start()
     tier = ScriptedTier.instances["pressure"]
     try:

@@ -11,6 +11,7 @@ from scripted_tier import ScriptedTier
 
 from kvtier import LookupResult, OffloadingSpecFactory, ReqContext, TieringOffloadingManager
 from kvtier.metrics import Names
+from kvtier.tiering.loop import HostLoop
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +27,7 @@ HIT, PENDING, MISS, RETRY = (
 async def opened(engine_id, tiers, **kw):
     """A started manager on the test's event loop, always closed afterwards."""
     spec = OffloadingSpecFactory.create_spec(tiering_config(engine_id, tiers, **kw))
-    manager = spec.get_manager()
+    manager = spec.get_manager(loop=HostLoop())
     try:
         await manager.start()
         yield manager
@@ -176,12 +177,12 @@ async def test_cascades_go_to_every_tier_and_pin_until_each_is_done(engine_id):
             await asyncio.sleep(0)
         manager.on_schedule_end()  # a poll point: the fast tier's outcome is taken in
         assert key in ScriptedTier.instances["c1"].chunks
-        assert manager.primary.records[key].ref_cnt == 1  # still pinned by the slow tier
+        assert manager.primary.ref_count(key) == 1  # still pinned by the slow tier
         assert manager.prepare_store(keys("other", 4), ReqContext("o")) is None
         assert manager.lookup(key, ReqContext("r")) is HIT
         slow.gate.set()
         await settle(manager)
-        assert manager.primary.records[key].ref_cnt == 0
+        assert manager.primary.ref_count(key) == 0
         assert key in slow.chunks
 
 
@@ -326,12 +327,12 @@ async def test_a_tier_can_pin_and_read_this_node_s_primary_chunks(engine_id):
         async with tier.ctx.primary.pinned([present, absent]) as rows:
             assert list(rows) == [present]
             assert bytes(rows[present]) == expected
-            assert manager.primary.records[present].ref_cnt == 1
+            assert manager.primary.ref_count(present) == 1
             # A pinned chunk survives pressure to evict it.
             assert manager.prepare_store(keys("push", 4), ReqContext("p")) is None
         await asyncio.sleep(0)
         manager.on_schedule_end()
-        assert manager.primary.records[present].ref_cnt == 0
+        assert manager.primary.ref_count(present) == 0
 
 
 async def test_tiers_hear_which_keys_left_the_primary_tier(engine_id):

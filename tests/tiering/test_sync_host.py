@@ -146,6 +146,6 @@ def test_pins_are_served_while_the_host_is_idle(engine_id):
         rows = future.result(timeout=10)  # the host makes no call meanwhile
         assert list(rows) == [key]
         tier.ctx.primary.unpin([key])
-        step_until(manager, lambda: manager.primary.records[key].ref_cnt == 0)
+        step_until(manager, lambda: manager.primary.ref_count(key) == 0)
     finally:
         spec.shutdown()
