@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 __all__ = ["ThrottledLog", "describe_error"]
 
@@ -21,11 +22,17 @@ class ThrottledLog:
     """Warnings about one component (``label``), at most one per kind per interval."""
 
     def __init__(
-        self, logger: logging.Logger, label: str, *, interval_s: float = DEFAULT_INTERVAL_S
+        self,
+        logger: logging.Logger,
+        label: str,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._logger = logger
         self._label = label
         self._interval_s = interval_s
+        self._clock = clock
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
@@ -37,7 +44,7 @@ class ThrottledLog:
         exc_info: BaseException | None = None,
     ) -> None:
         """Log ``message % args`` unless ``kind`` was logged within the interval."""
-        now = time.monotonic()
+        now = self._clock()
         last = self._last.get(kind)
         if last is not None and now - last < self._interval_s:
             self._suppressed[kind] = self._suppressed.get(kind, 0) + 1

@@ -1,0 +1,83 @@
+"""Where tier coroutines run: the host's loop, a loop thread, or none at all."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvtier.tiering.loop import HostLoop, LoopThread, run_inline
+
+
+async def answer() -> int:
+    return 42
+
+
+def test_a_loop_thread_runs_coroutines_for_a_blocking_caller_and_stops_once():
+    loop = LoopThread(name="kvtier-test-loop")
+    try:
+        assert loop.run(answer) == 42
+
+        async def where() -> bool:
+            return loop.in_loop_thread()
+
+        assert loop.run(where)
+        assert not loop.in_loop_thread()
+    finally:
+        loop.close()
+        loop.close()
+    assert not any(t.name == "kvtier-test-loop" for t in threading.enumerate())
+
+
+def test_a_loop_thread_cannot_be_stopped_from_its_own_thread():
+    loop = LoopThread()
+    try:
+
+        async def stop_from_inside() -> None:
+            loop.close()
+
+        with pytest.raises(RuntimeError, match="its own thread"):
+            loop.run(stop_from_inside)
+    finally:
+        loop.close()
+
+
+@pytest.mark.anyio
+async def test_a_blocking_call_on_the_host_loop_s_own_thread_is_refused():
+    host = HostLoop()
+    assert host.in_loop_thread()
+    with pytest.raises(RuntimeError, match="await its async variant"):
+        host.run(answer)
+    assert await host.run_async(answer) == 42
+    assert await asyncio.to_thread(host.run, answer) == 42
+
+
+def test_a_host_loop_needs_a_running_loop():
+    with pytest.raises(RuntimeError, match="LoopThread"):
+        HostLoop()
+
+
+@pytest.mark.anyio
+async def test_an_async_caller_on_another_loop_awaits_work_on_a_loop_thread():
+    loop = LoopThread()
+    try:
+
+        async def thread_name() -> str:
+            return threading.current_thread().name
+
+        assert await loop.run_async(thread_name) == "kvtier-tiers"
+    finally:
+        loop.close()
+
+
+def test_run_inline_returns_what_a_coroutine_that_never_waits_returns():
+    assert run_inline(answer) == 42
+
+
+def test_run_inline_refuses_a_coroutine_that_would_wait():
+    async def waits() -> None:
+        await asyncio.sleep(0)
+
+    with pytest.raises(RuntimeError, match="without an event loop was asked to wait"):
+        run_inline(waits)
