@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -27,7 +29,67 @@ from kvtier.worker.worker import BlockIds, OffloadingWorker
 
 __all__ = ["KVTier"]
 
+logger = logging.getLogger(__name__)
+
 _T = TypeVar("_T")
+
+
+@dataclass(eq=False)
+class _Request:
+    """What the facade holds for one request: the primary slots its lookups pinned."""
+
+    pins: dict[OffloadKey, int] = field(default_factory=dict)
+    #: Finished (or swept away by a reset): its pins are released, it takes no more.
+    ended: bool = False
+
+
+class _Fence:
+    """Operations run side by side; a reset or close runs alone.
+
+    An operation (lookup, load, store) enters through :meth:`operation`; while a
+    fence stands, new operations wait for it to go. :meth:`fenced` raises the fence,
+    wakes operations that wait for tier work (they give up), and waits until none is
+    left before its body runs. Fences take turns.
+    """
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._lowered = asyncio.Event()
+        self._lowered.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._active = 0
+        #: Waits of lookups and stores for tier work: cancelled when a fence goes up.
+        self.waits: set[asyncio.Future[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def operation(self, check: Callable[[], None]) -> AsyncIterator[None]:
+        while self.raised:
+            await self._lowered.wait()
+        check()
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def fenced(self) -> AsyncIterator[None]:
+        while self.raised:
+            await self._lowered.wait()
+        self.raised = True
+        self._lowered.clear()
+        try:
+            for wait in self.waits:
+                wait.cancel()
+            await self._idle.wait()
+            yield
+        finally:
+            self.raised = False
+            self._lowered.set()
 
 
 class KVTier(AsyncResource):
@@ -40,7 +102,10 @@ class KVTier(AsyncResource):
 
     A store or load keeps running to its end even if the task awaiting it is
     cancelled (a half-copied slot would otherwise be freed or served):
-    :meth:`drain` and :meth:`aclose` wait for them.
+    :meth:`drain` and :meth:`aclose` wait for them. :meth:`reset` and :meth:`aclose`
+    fence every other call: they wait for the copies in flight, make waiting lookups
+    give up, and hold new calls back until they are done. Every call on a closed
+    facade raises :class:`~kvtier.errors.KVTierError`.
     """
 
     def __init__(
@@ -62,8 +127,8 @@ class KVTier(AsyncResource):
         self._worker: OffloadingWorker | None = None
         #: Copies that must run to their end even if their caller is cancelled.
         self._copies = TaskSet("KVTier", log_failures=False)
-        #: Keys lookup() pinned for each request, with their slots.
-        self._pins: dict[str, dict[OffloadKey, int]] = {}
+        self._requests: dict[str, _Request] = {}
+        self._fence = _Fence()
         self._closed = False
 
     @classmethod
@@ -84,6 +149,8 @@ class KVTier(AsyncResource):
         return self
 
     async def _open(self) -> None:
+        if self._closed:
+            raise KVTierError("this KVTier is closed; open a new one")
         if self._spec is not None:
             raise KVTierError("this KVTier is already open")
         spec = OffloadingSpecFactory.create_spec(
@@ -95,6 +162,7 @@ class KVTier(AsyncResource):
             await self._manager.start()
             self._worker = spec.create_worker(self._kv_caches, engine=self._engine)
         except BaseException:
+            self._closed = True
             await spec.aclose()
             raise
 
@@ -121,6 +189,10 @@ class KVTier(AsyncResource):
         """The Prometheus registry the metrics are on."""
         return self.manager.metrics.registry
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # -------------------------------------------------------------- lookups
 
     async def lookup(
@@ -132,12 +204,27 @@ class KVTier(AsyncResource):
         secondary tiers, at most ``timeout`` seconds. The leading keys found are pinned
         in the primary tier for this request, so that promoting the rest of a long
         prefix cannot evict them, until :meth:`load` copies them or :meth:`finish`
-        lets them go. Keys after the first miss are not looked up.
+        lets them go. Keys after the first miss are not looked up. A lookup that is
+        waiting when the request finishes or the cache is reset answers 0.
+
+        Raises:
+            KVTierError: the facade is closed, or was closed while this call waited.
         """
-        manager = self.manager
-        req = ReqContext(req_id)
-        pins = self._pins.setdefault(req_id, {})
-        deadline = None if timeout is None else time.monotonic() + timeout
+        async with self._fence.operation(self._check_open):
+            request = self._request(req_id)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            hits = await self._find(keys, request, ReqContext(req_id), deadline)
+        self._check_open()
+        return hits
+
+    async def _find(
+        self,
+        keys: Sequence[OffloadKey],
+        request: _Request,
+        req: ReqContext,
+        deadline: float | None,
+    ) -> int:
+        manager, pins = self.manager, request.pins
         while True:
             pending = False
             for key in keys:
@@ -150,7 +237,16 @@ class KVTier(AsyncResource):
                     pins[key] = manager.prepare_load([key], req).chunk_ids[0]
                 else:
                     pending = True
-            if not pending or not await self._wait_step(deadline):
+            if not pending:
+                break
+            manager.on_schedule_end()
+            waited = await self._wait(deadline)
+            if request.ended:
+                return 0  # finished meanwhile: its pins are gone
+            if self._fence.raised:
+                self._release(request, req)
+                return 0
+            if not waited:
                 break
         hits = _leading(keys, pins)
         leading = set(keys[:hits])
@@ -163,22 +259,21 @@ class KVTier(AsyncResource):
             manager.touch(keys[:hits], req)
         return hits
 
-    async def _wait_step(self, deadline: float | None) -> bool:
-        """End the step and wait for the next completion; False once past the deadline."""
-        self.manager.on_schedule_end()
-        return await self._wait(deadline)
-
     async def _wait(self, deadline: float | None) -> bool:
-        """Wait for the next completion; False once the deadline has passed."""
-        if deadline is None:
-            await self.manager.wait_for_completions()
-            return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        """Wait for the next completion; False past the deadline or once fenced."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
             return False
-        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-            await asyncio.wait_for(self.manager.wait_for_completions(), remaining)
-        return time.monotonic() < deadline
+        wait = asyncio.ensure_future(self.manager.wait_for_completions())
+        self._fence.waits.add(wait)
+        try:
+            await asyncio.wait({wait}, timeout=remaining)
+        finally:
+            self._fence.waits.discard(wait)
+            wait.cancel()
+        if self._fence.raised:
+            return False
+        return deadline is None or time.monotonic() < deadline
 
     # ---------------------------------------------------------------- copies
 
@@ -188,11 +283,19 @@ class KVTier(AsyncResource):
         Keys :meth:`lookup` pinned for this request are copied and unpinned; keys it
         did not pin are used if readable now. Normally all of them: fewer only if some
         were evicted since, and the caller recomputes the rest.
+
+        Raises:
+            KVTierError: the facade is closed, or the copy failed.
         """
+        async with self._fence.operation(self._check_open):
+            return await self._load(keys, gpu_block_ids, req_id)
+
+    async def _load(self, keys: Sequence[OffloadKey], gpu_block_ids: BlockIds, req_id: str) -> int:
         manager, worker = self.manager, self.worker
         gpu_ids = self._gpu_ids(keys, gpu_block_ids)
         req = ReqContext(req_id)
-        pins = self._pins.get(req_id, {})
+        request = self._requests.get(req_id)
+        pins = request.pins if request is not None else {}
         slots: list[int] = []
         for key in keys:
             slot = pins.pop(key, None)
@@ -230,24 +333,28 @@ class KVTier(AsyncResource):
         Keys go in batches of at most half the primary tier. A batch that finds no
         room waits (without polling) while copies, cascades or promotions that hold
         slots finish, at most ``timeout`` seconds; with nothing in flight that could
-        free a slot, storing stops there. Returns how many keys were newly stored.
-        Cascades to the secondary tiers start as soon as a batch is copied and run on;
-        await :meth:`drain` to wait for them.
+        free a slot, storing stops there (so it does when a reset or close begins).
+        Returns how many keys were newly stored. Cascades to the secondary tiers start
+        as soon as a batch is copied and run on; await :meth:`drain` to wait for them.
+
+        Raises:
+            KVTierError: the facade is closed.
         """
-        gpu_ids = self._gpu_ids(keys, gpu_block_ids)
-        bpc = self.worker.blocks_per_chunk
-        req = ReqContext(req_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        batch = max(1, self.manager.primary.num_chunks // 2)
-        stored = 0
-        for start in range(0, len(keys), batch):
-            part = list(keys[start : start + batch])
-            part_ids = gpu_ids[start * bpc : (start + len(part)) * bpc]
-            count = await self._store_batch(part, part_ids, req, deadline)
-            if count is None:
-                break
-            stored += count
-        return stored
+        async with self._fence.operation(self._check_open):
+            gpu_ids = self._gpu_ids(keys, gpu_block_ids)
+            bpc = self.worker.blocks_per_chunk
+            req = ReqContext(req_id)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            batch = max(1, self.manager.primary.num_chunks // 2)
+            stored = 0
+            for start in range(0, len(keys), batch):
+                part = list(keys[start : start + batch])
+                part_ids = gpu_ids[start * bpc : (start + len(part)) * bpc]
+                count = await self._store_batch(part, part_ids, req, deadline)
+                if count is None:
+                    break
+                stored += count
+            return stored
 
     async def _store_batch(
         self, keys: list[OffloadKey], gpu_ids: list[int], req: ReqContext, deadline: float | None
@@ -278,46 +385,97 @@ class KVTier(AsyncResource):
         return await self._shielded(copy())
 
     def finish(self, req_id: str) -> None:
-        """The request is done: its pins and per-request lookup state go."""
+        """The request is done: its pins and per-request lookup state go.
+
+        A lookup of the request still waiting for tier work answers 0.
+
+        Raises:
+            KVTierError: the facade is closed.
+        """
+        self._check_open()
+        self._end(req_id)
+
+    def _end(self, req_id: str) -> None:
         req = ReqContext(req_id)
-        pins = self._pins.pop(req_id, None)
+        request = self._requests.pop(req_id, None)
+        if request is not None:
+            self._release(request, req)
+            request.ended = True
+        self.manager.on_request_finished(req)
+
+    def _release(self, request: _Request, req: ReqContext) -> None:
+        pins, request.pins = request.pins, {}
         if pins:
             self.manager.complete_load(list(pins), req)
-        self.manager.on_request_finished(req)
 
     # ------------------------------------------------------------- lifecycle
 
     async def reset(self) -> None:
         """Empty the primary tier (secondary tiers keep their data).
 
-        Waits for the copies and jobs in flight; pins of earlier lookups are dropped.
+        Waits for the copies and jobs in flight; lookups waiting for tier work answer
+        0, the pins of earlier lookups are dropped, and calls made meanwhile wait.
+
+        Raises:
+            KVTierError: the facade is closed.
         """
-        await self._copies.wait()
-        for req_id in list(self._pins):
-            self.finish(req_id)
-        await self.manager.areset_cache()
+        self._check_open()
+        async with self._fence.fenced():
+            self._check_open()
+            await self._copies.wait()
+            for req_id in list(self._requests):
+                self._end(req_id)
+            await self.manager.areset_cache()
 
     async def drain(self) -> None:
-        """Wait for every copy this facade started and every cascade and promotion."""
+        """Wait for every copy this facade started and every cascade and promotion.
+
+        Raises:
+            KVTierError: the facade is closed.
+        """
+        self._check_open()
         await self._copies.wait()
         await self.manager.drain()
 
     async def aclose(self) -> None:
-        """Drain, then close the worker, the manager (and its tiers) and the region."""
+        """Let the calls in flight end, drain, then close the worker, the manager (and
+        its tiers) and the region. Idempotent; whatever fails on the way is logged and
+        everything is still closed."""
         if self._closed:
             return
         self._closed = True
         try:
             if self._manager is not None and self._worker is not None:
-                await self.drain()
+                async with self._fence.fenced():
+                    await self._close_requests()
         finally:
-            if self._manager is not None:
-                for req_id in list(self._pins):
-                    self.finish(req_id)
             if self._spec is not None:
                 await self._spec.aclose()
 
+    async def _close_requests(self) -> None:
+        try:
+            await self._copies.wait()
+            await self.manager.drain()
+            for req_id in list(self._requests):
+                self._end(req_id)
+        except Exception:
+            logger.exception("draining the KVTier before closing it failed; closing anyway")
+
     # --------------------------------------------------------------- helpers
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVTierError("this KVTier is closed")
+        if self._spec is None:
+            raise KVTierError(
+                "this KVTier is not open: use 'async with KVTier(...)' or KVTier.open()"
+            )
+
+    def _request(self, req_id: str) -> _Request:
+        request = self._requests.get(req_id)
+        if request is None:
+            request = self._requests[req_id] = _Request()
+        return request
 
     def _gpu_ids(self, keys: Sequence[OffloadKey], gpu_block_ids: BlockIds) -> list[int]:
         ids = (

@@ -30,6 +30,7 @@ class ScriptedTier(SecondaryTier):
         #: Answer lookups from memory (True) or only through the async lookup (False).
         self.instant: bool = settings.boolean("instant", False)
         self.fail_start: bool = settings.boolean("fail_start", False)
+        self.fail_close: bool = settings.boolean("fail_close", False)
         settings.reject_unknown()
         self.chunks: dict[OffloadKey, bytes] = {}
         self.events = EventLog(ctx.enable_events)
@@ -97,6 +98,8 @@ class ScriptedTier(SecondaryTier):
 
     async def aclose(self) -> None:
         self.closed = True
+        if self.fail_close:
+            raise OSError(5, f"tier {self.name} fails to close")
 
     async def _pass_gate(self) -> None:
         if self.ignore_cancel:

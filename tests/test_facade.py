@@ -180,3 +180,111 @@ def test_the_example_host_runs(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "round 2 user 7: 16 of 16 chunks cached" in result.stdout
+
+
+# ------------------------------------------------- reset, finish and close races
+
+
+async def test_a_lookup_during_a_reset_never_pins_a_slot_the_reset_frees(engine_id):
+    kv_cache = cache()
+    config = tiering_config(engine_id, [scripted("slow")], chunks=4)
+    async with KVTier(config, [kv_cache]) as kv:
+        tier = ScriptedTier.instances["slow"]
+        first = keys("reset-race", 2)
+        await kv.store(first, [0, 1], "w1")
+        await kv.drain()
+        tier.gate.clear()
+        await kv.store(keys("in-flight", 1), [2], "w2")  # its cascade holds the reset
+        resetting = asyncio.ensure_future(kv.reset())
+        await asyncio.sleep(0.05)
+        assert not resetting.done()
+        looking = asyncio.ensure_future(kv.lookup(first, "r", timeout=10))
+        await asyncio.sleep(0.05)
+        tier.gate.set()
+        await resetting
+        assert await looking == 2  # promoted back from the tier after the reset
+        assert await kv.store(keys("after", 2), [10, 11], "w3") == 2  # takes the free slots
+        assert await kv.load(first, [20, 21], "r") == 2
+        assert torch.equal(kv_cache[20:22], kv_cache[0:2])
+        kv.finish("r")
+
+
+async def test_a_reset_waits_for_a_load_in_flight_which_copies_the_right_bytes(engine_id):
+    kv_cache = cache()
+    gate = threading.Event()
+    gate.set()
+    engine = ThreadedCopyEngine(gate=gate)
+    async with KVTier(example_config(engine_id), [kv_cache], engine=engine) as kv:
+        ks = keys("load-reset", 2)
+        await kv.store(ks, [0, 1], "w")
+        assert await kv.lookup(ks, "r") == 2
+        gate.clear()
+        loading = asyncio.ensure_future(kv.load(ks, [30, 31], "r"))
+        await asyncio.sleep(0.05)
+        resetting = asyncio.ensure_future(kv.reset())
+        await asyncio.sleep(0.05)
+        assert not resetting.done()
+        gate.set()
+        assert await loading == 2
+        await resetting
+        assert torch.equal(kv_cache[30:32], kv_cache[0:2])
+        assert kv.manager.readable_prefix(ks) == 0
+
+
+async def test_a_request_finished_while_its_lookup_waits_keeps_no_pin(engine_id):
+    config = tiering_config(engine_id, [scripted("later")], chunks=4)
+    async with KVTier(config, [cache()]) as kv:
+        tier = ScriptedTier.instances["later"]
+        prefix = keys("abandoned", 4)
+        await kv.store(prefix, [0, 1, 2, 3], "w1")
+        await kv.drain()
+        await kv.reset()
+        await kv.store(prefix[:1], [0], "w2")  # the head is resident again, the rest is not
+        await kv.drain()
+        tier.gate.clear()
+        looking = asyncio.ensure_future(kv.lookup(prefix, "r"))
+        await asyncio.sleep(0.05)
+        kv.finish("r")
+        tier.gate.set()
+        assert await asyncio.wait_for(looking, 10) == 0
+        await kv.drain()
+        assert kv.manager.primary.num_busy == 0  # nothing pinned, nothing being written
+
+
+async def test_every_call_on_a_closed_facade_raises_and_none_hangs(engine_id):
+    tier_config = scripted("mute", lookup_timeout_s=0.2, job_timeout_s=0.2, shutdown_grace_s=0.2)
+    kv = await KVTier.open(tiering_config(engine_id, [tier_config], chunks=4), [cache()])
+    tier = ScriptedTier.instances["mute"]
+    ks = keys("closed", 2)
+    await kv.store(ks, [0, 1], "w")
+    await kv.drain()
+    tier.gate.clear()
+    waiting = asyncio.ensure_future(kv.lookup(keys("on-disk", 2), "r"))  # no timeout
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(kv.aclose(), 10)
+    with pytest.raises(KVTierError, match="closed"):
+        await asyncio.wait_for(waiting, 10)
+    tier.gate.set()
+    calls = [
+        kv.lookup(ks, "r"),
+        kv.lookup(keys("on-disk", 2), "r2"),
+        kv.load(ks, [5, 6], "r"),
+        kv.store(ks, [0, 1], "w"),
+        kv.reset(),
+        kv.drain(),
+    ]
+    for call in calls:
+        with pytest.raises(KVTierError, match="this KVTier is closed"):
+            await asyncio.wait_for(call, 5)
+    with pytest.raises(KVTierError, match="this KVTier is closed"):
+        kv.finish("r")
+
+
+async def test_aclose_closes_everything_even_when_a_tier_fails_to_close(engine_id, caplog):
+    config = tiering_config(engine_id, [scripted("stubborn", fail_close=True)], chunks=4)
+    kv = await KVTier.open(config, [cache()])
+    await kv.store(keys("stubborn", 2), [0, 1], "w")
+    await kv.aclose()
+    assert ScriptedTier.instances["stubborn"].closed
+    assert kv.manager.region.closed and not region_path(engine_id).exists()
+    assert any("failed to close" in record.getMessage() for record in caplog.records)

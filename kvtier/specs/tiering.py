@@ -31,8 +31,9 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
     ``fs``, a registered name, or a class name with ``module_path``), the tier's own
     parameters, and optionally the framework's keys: ``name`` (label suffix),
     ``backpressure``, ``locality`` (``local``/``remote``), ``max_concurrent_jobs``,
-    ``job_timeout_s`` and ``lookup_timeout_s``. A top-level ``backpressure`` mapping
-    supplies defaults, merged field by field under each tier's own.
+    ``job_timeout_s``, ``lookup_timeout_s`` and ``shutdown_grace_s``. A top-level
+    ``backpressure`` mapping supplies defaults, merged field by field under each
+    tier's own.
     """
 
     def read_settings(self, reader: ConfigReader) -> None:
@@ -45,6 +46,11 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             )
         self.tier_configs: list[Mapping[str, Any]] = reader.mapping_list("secondary_tiers", [])
         default_backpressure = reader.mapping("backpressure", None)
+        if default_backpressure is not None:
+            # Checked on its own, with or without tiers, so a bad value is named here.
+            BackpressureSettings.parse(
+                default_backpressure, "backpressure", "local", check_marks=False
+            )
         self.tier_classes: list[type[SecondaryTier]] = []
         self.tier_options: list[TierOptions] = []
         for i, tier_config in enumerate(self.tier_configs):
@@ -155,6 +161,7 @@ def _tier_options(
         max_concurrent_jobs=reader.integer("max_concurrent_jobs", 8, minimum=1),
         job_timeout_s=reader.number("job_timeout_s", 30.0, minimum=0, exclusive_minimum=True),
         lookup_timeout_s=reader.number("lookup_timeout_s", 5.0, minimum=0, exclusive_minimum=True),
+        shutdown_grace_s=reader.number("shutdown_grace_s", 5.0, minimum=0),
     )
     own = reader.mapping("backpressure", None)
     backpressure = None

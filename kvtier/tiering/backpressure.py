@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.config import ConfigReader
+from kvtier.errors import ConfigError
 
 __all__ = ["Backpressure", "BackpressureSettings"]
 
@@ -46,8 +47,13 @@ class BackpressureSettings:
     cooldown_s: float = 1.0
 
     @classmethod
-    def parse(cls, raw: Mapping[str, Any], path: str, locality: str) -> BackpressureSettings:
+    def parse(
+        cls, raw: Mapping[str, Any], path: str, locality: str, *, check_marks: bool = True
+    ) -> BackpressureSettings:
         """Read a merged ``backpressure`` mapping; water marks default by ``locality``.
+
+        ``check_marks=False`` checks each value alone, for the top-level defaults, whose
+        marks are only compared once merged under a tier's own.
 
         Raises:
             ConfigError: a value is invalid or the low mark is above the high mark.
@@ -66,9 +72,7 @@ class BackpressureSettings:
             cooldown_s=reader.number("cooldown_s", 1.0, minimum=0),
         )
         reader.reject_unknown()
-        if settings.low_water > settings.high_water:
-            from kvtier.errors import ConfigError
-
+        if check_marks and settings.low_water > settings.high_water:
             raise ConfigError(
                 f"{path}.low_water",
                 f"must not exceed high_water ({settings.low_water} > {settings.high_water})",
