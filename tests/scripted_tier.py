@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
+
+import anyio
 
 from kvtier import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.keys import OffloadKey
@@ -113,3 +116,45 @@ class ScriptedTier(SecondaryTier):
     @classmethod
     def build_metric_definitions(cls, tier_config: Mapping[str, Any]) -> dict[str, Any]:
         return {}
+
+
+class ThreadWritingTier(SecondaryTier):
+    """A plugin tier that loads through ``anyio.to_thread.run_sync``, as documented.
+
+    Its load thread waits for ``release`` (a test holds it as long as it likes), then
+    writes the chunk into the slot: a thread the framework cannot interrupt.
+    """
+
+    medium = Medium.STORAGE
+    instances: ClassVar[dict[str, ThreadWritingTier]] = {}
+
+    def __init__(self, ctx: TierContext, tag: str) -> None:
+        super().__init__(ctx)
+        self.chunks: dict[OffloadKey, bytes] = {}
+        self.release = threading.Event()
+        self.release.set()
+        self.writes_done = 0
+        ThreadWritingTier.instances[tag] = self
+
+    def contains(self, key: OffloadKey) -> bool | None:
+        return key in self.chunks
+
+    async def lookup(self, keys: Sequence[OffloadKey]) -> Sequence[bool]:
+        return [key in self.chunks for key in keys]
+
+    async def store(self, job: TransferJob) -> JobResult:
+        view = self.ctx.primary_view
+        for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True):
+            self.chunks[key] = bytes(view[chunk_id])
+        return JobResult(job.job_id, True)
+
+    async def load(self, job: TransferJob) -> JobResult:
+        await anyio.to_thread.run_sync(self._write, job)
+        return JobResult(job.job_id, True)
+
+    def _write(self, job: TransferJob) -> None:
+        self.release.wait()
+        view = self.ctx.primary_view
+        for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True):
+            view[chunk_id][:] = self.chunks[key]
+        self.writes_done += 1

@@ -76,10 +76,6 @@ class CachePolicy(ABC):
     def mark_non_evictable(self, key: OffloadKey) -> None:
         """``key``'s ref count left 0: a reader pinned it."""
 
-    @abstractmethod
-    def __len__(self) -> int:
-        """How many keys the policy holds."""
-
 
 #: Values of :attr:`TrackedPolicy._blocked`.
 WRITING = True

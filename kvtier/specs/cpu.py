@@ -135,15 +135,19 @@ class CPUOffloadingSpec(OffloadingSpec):
         return worker
 
     def shutdown(self) -> None:
+        # An exit stack closes everything even if one close raises: workers, then the
+        # manager (last in, first out).
         workers, self._workers = self._workers, []
-        for worker in workers:
-            worker.close()
-        if self._manager is not None:
-            self._manager.shutdown()
+        with contextlib.ExitStack() as closing:
+            if self._manager is not None:
+                closing.callback(self._manager.shutdown)
+            for worker in workers:
+                closing.callback(worker.close)
 
     async def aclose(self) -> None:
         workers, self._workers = self._workers, []
-        for worker in workers:
-            await worker.aclose()
-        if self._manager is not None:
-            await self._manager.aclose()
+        async with contextlib.AsyncExitStack() as closing:
+            if self._manager is not None:
+                closing.push_async_callback(self._manager.aclose)
+            for worker in workers:
+                closing.push_async_callback(worker.aclose)

@@ -112,11 +112,12 @@ class LoopThread(TierLoop):
         return self._thread is not None
 
     def close(self) -> None:
-        thread, self._thread = self._thread, None
+        thread = self._thread
         if thread is None:
             return
         if thread.ident == threading.get_ident():
             raise RuntimeError("a loop thread cannot be stopped from its own thread")
+        self._thread = None
         self.loop.call_soon_threadsafe(self.loop.stop)
         thread.join()
 

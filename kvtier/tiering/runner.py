@@ -19,6 +19,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio
+
 from kvtier._logs import ThrottledLog
 from kvtier.keys import OffloadKey
 from kvtier.resources import AsyncResource, TaskSet
@@ -130,7 +132,7 @@ class TierRunner(AsyncResource):
             return
         async with self._job_slots:
             operation = self.tier.load if job.is_promotion else self.tier.store
-            finished, outcome, inner = await self._bounded(
+            finished, outcome, inner, scope = await self._bounded(
                 self._call(operation, job, kind), self.settings.job_timeout_s
             )
             elapsed = time.perf_counter() - submitted
@@ -148,8 +150,10 @@ class TierRunner(AsyncResource):
             )
             failed = JobResult(job.job_id, False)
             self._post(JobOutcome(self.index, job, failed, elapsed, released=False))
-            inner.cancel()
-            # Hold the concurrency slot and the primary slots until the tier has let go.
+            scope.cancel()
+            # Hold the concurrency slot and the primary slots until the tier has let go:
+            # through anyio's cancellation, a call in anyio.to_thread.run_sync returns
+            # before the coroutine ends.
             await asyncio.wait({inner})
             self._post(JobReleased(self.index, job))
 
@@ -184,7 +188,9 @@ class TierRunner(AsyncResource):
             self._post(LookupOutcome(self.index, keys, None, 0.0))
             return
         started = time.perf_counter()
-        finished, answers, _ = await self._bounded(self._ask(keys), self.settings.lookup_timeout_s)
+        finished, answers, _, _ = await self._bounded(
+            self._ask(keys), self.settings.lookup_timeout_s
+        )
         if not finished:
             self._failures.warning(
                 "lookup timeout",
@@ -213,14 +219,24 @@ class TierRunner(AsyncResource):
         return answers
 
     async def _bounded(
-        self, coro: Coroutine[Any, Any, _T], timeout: float
-    ) -> tuple[bool, _T | None, asyncio.Task[_T]]:
-        """Run ``coro`` for at most ``timeout`` s; a late one keeps running, owned here."""
-        inner = self._tasks.spawn(coro)
-        done, _ = await asyncio.wait({inner}, timeout=timeout)
+        self, coro: Coroutine[Any, Any, _T], limit_s: float
+    ) -> tuple[bool, _T | None, asyncio.Task[_T | None], anyio.CancelScope]:
+        """Run ``coro`` for at most ``limit_s``; a late one keeps running, owned here.
+
+        The coroutine runs in a cancel scope of its own, for the caller to cancel.
+        """
+        scope = anyio.CancelScope()
+
+        async def scoped() -> _T | None:
+            with scope:
+                return await coro
+            return None  # cancelled through the scope
+
+        inner = self._tasks.spawn(scoped())
+        done, _ = await asyncio.wait({inner}, timeout=limit_s)
         if inner in done:
-            return True, inner.result(), inner
-        return False, None, inner
+            return True, inner.result(), inner, scope
+        return False, None, inner, scope
 
 
 async def start_in_order(runners: Sequence[TierRunner]) -> None:

@@ -210,6 +210,14 @@ class SecondaryTier(AsyncResource):
     reads and writes the primary slots of the job it is running. Raising from
     :meth:`store` or :meth:`load` fails the job (a counted miss), as does exceeding
     the job timeout; the framework logs it once with context.
+
+    A job that exceeds its timeout is reported failed at once and cancelled through
+    an anyio cancel scope; its slots stay out of use until its coroutine has returned.
+    A call in ``anyio.to_thread.run_sync`` (which is why it is the way to use threads
+    here) finishes before the coroutine returns, so a late thread never writes into a
+    slot that another chunk took. Threads started any other way (``asyncio.to_thread``,
+    ``run_in_executor``, a thread of the tier's own) are not waited for: a tier using
+    them must stop them touching the job's slots before its coroutine returns.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE

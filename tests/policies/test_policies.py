@@ -282,3 +282,53 @@ TestPrimaryWithLru = PrimaryMachine.TestCase
 TestPrimaryWithArc = ArcPrimaryMachine.TestCase
 for case in (TestPrimaryWithLru, TestPrimaryWithArc):
     case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class FifoPolicy(CachePolicy):
+    """An out-of-tree policy written to the documented methods only."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.records: dict[bytes, object] = {}
+        self.blocked: set[bytes] = set()
+
+    def get(self, key):
+        return self.records.get(key)
+
+    def insert(self, key, record):
+        self.records[key] = record
+        self.blocked.add(key)
+
+    def remove(self, key):
+        self.records.pop(key, None)
+        self.blocked.discard(key)
+
+    def touch(self, keys):
+        pass
+
+    def evict(self, n, protected):
+        victims = [k for k in self.records if k not in self.blocked and k not in protected][:n]
+        if len(victims) < n:
+            return None
+        return [(key, self.records.pop(key)) for key in victims]
+
+    def clear(self):
+        self.records.clear()
+        self.blocked.clear()
+
+    def mark_evictable(self, key):
+        self.blocked.discard(key)
+
+    def mark_non_evictable(self, key):
+        self.blocked.add(key)
+
+
+def test_a_policy_with_only_the_documented_methods_runs_the_primary_tier():
+    from kvtier.primary import PrimaryTier
+
+    primary = PrimaryTier(2, FifoPolicy(2))
+    for i in range(3):
+        out = primary.prepare_store([k(i)])
+        assert out is not None
+        primary.complete_store([k(i)])
+    assert set(primary.slots()) == {k(1), k(2)}  # the oldest went first

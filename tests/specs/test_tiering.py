@@ -53,6 +53,16 @@ def test_spec_name_selects_the_tiering_spec(engine_id):
             r"secondary_tiers\[0\]\.backpressure\.policy",
             "expected one of drop, throttled",
         ),
+        (
+            [{"type": "example", "shutdown_grace_s": -5}],
+            r"secondary_tiers\[0\]\.shutdown_grace_s",
+            "expected a value >= 0",
+        ),
+        (
+            [{"type": "example", "shutdown_grace_s": "soon"}],
+            r"secondary_tiers\[0\]\.shutdown_grace_s",
+            "expected a number",
+        ),
     ],
 )
 def test_bad_tier_configuration_names_the_key(engine_id, tiers, path, message):
@@ -60,6 +70,14 @@ def test_bad_tier_configuration_names_the_key(engine_id, tiers, path, message):
         spec = spec_for(engine_id, tiers)
         spec.get_manager()  # tier parameters are checked when the tiers are built
         spec.shutdown()
+
+
+@pytest.mark.parametrize("tiers", [[], [{"type": "example"}]], ids=["no tiers", "a tier"])
+def test_a_bad_top_level_backpressure_is_named_by_its_own_key(engine_id, tiers):
+    with pytest.raises(ConfigError, match=r"^backpressure\.alpha: expected a value <= 1"):
+        spec_for(engine_id, tiers, backpressure={"alpha": 7})
+    with pytest.raises(ConfigError, match=r"^backpressure\.polcy: unknown setting"):
+        spec_for(engine_id, tiers, backpressure={"polcy": "drop"})
 
 
 def test_store_threshold_is_rejected_with_a_value_error(engine_id):

@@ -31,16 +31,16 @@ def test_a_loop_thread_runs_coroutines_for_a_blocking_caller_and_stops_once():
 
 
 def test_a_loop_thread_cannot_be_stopped_from_its_own_thread():
-    loop = LoopThread()
-    try:
+    loop = LoopThread(name="kvtier-test-inside")
 
-        async def stop_from_inside() -> None:
-            loop.close()
-
-        with pytest.raises(RuntimeError, match="its own thread"):
-            loop.run(stop_from_inside)
-    finally:
+    async def stop_from_inside() -> None:
         loop.close()
+
+    with pytest.raises(RuntimeError, match="its own thread"):
+        loop.run(stop_from_inside)
+    assert loop.running
+    loop.close()
+    assert not any(t.name == "kvtier-test-inside" for t in threading.enumerate())
 
 
 @pytest.mark.anyio

@@ -346,3 +346,23 @@ async def test_tiers_hear_which_keys_left_the_primary_tier(engine_id):
         await settle(manager)
         await manager.areset_cache()
         assert set(tier.removed_from_primary) >= {first[1], *keys("second", 1)}
+
+
+async def test_shutdown_grace_bounds_how_long_close_waits_for_a_stuck_tier(engine_id):
+    stuck = scripted(
+        "stuck", instant=True, job_timeout_s=0.05, lookup_timeout_s=0.05, shutdown_grace_s=0.1
+    )
+    async with opened(engine_id, [stuck], chunks=4) as manager:
+        tier = ScriptedTier.instances["stuck"]
+        tier.gate.clear()
+        tier.ignore_cancel = True  # like a thread that cannot be interrupted
+        fill(manager, keys("stuck", 1))
+        manager.on_schedule_end()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await manager.aclose()
+        # Job timeout, then the grace twice (before and after cancelling): well under
+        # the seconds the default grace of 5 s would take.
+        assert loop.time() - started < 3
+        assert tier.closed
+        tier.gate.set()
