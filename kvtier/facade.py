@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.config import OffloadingConfig
 from kvtier.errors import KVTierError
 from kvtier.keys import OffloadKey
-from kvtier.records import LookupResult, ReqContext
+from kvtier.records import ReqContext
 from kvtier.region import DEFAULT_SHM_DIR
 from kvtier.resources import AsyncResource, TaskSet
 from kvtier.specs.base import OffloadingSpec
@@ -226,18 +226,9 @@ class KVTier(AsyncResource):
     ) -> int:
         manager, pins = self.manager, request.pins
         while True:
-            pending = False
-            for key in keys:
-                if key in pins:
-                    continue
-                result = manager.lookup(key, req)
-                if result is LookupResult.MISS:
-                    break
-                if result is LookupResult.HIT:
-                    pins[key] = manager.prepare_load([key], req).chunk_ids[0]
-                else:
-                    pending = True
-            if not pending:
+            found = manager.lookup_prefix(keys, req, pins)
+            pins.update(found.pinned)
+            if not found.pending:
                 break
             manager.on_schedule_end()
             waited = await self._wait(deadline)

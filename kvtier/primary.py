@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from kvtier.errors import StateError
 from kvtier.keys import OffloadKey, format_key
@@ -192,11 +192,14 @@ class PrimaryTier:
 
     # ----------------------------------------------------------------- stores
 
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], protected: Collection[OffloadKey] | None = None
+    ) -> PrepareStoreOutput | None:
         """Allocate slots for the keys not stored yet, evicting others if needed.
 
-        Keys of this call are never evicted for it. Returns None, changing nothing,
-        when not enough slots can be freed.
+        Keys in ``protected`` (by default the keys of this call; a caller passing more
+        includes them) are never evicted for it. Returns None, changing nothing, when
+        not enough slots can be freed.
         """
         records = self._records
         to_store = [key for key in dict.fromkeys(keys) if key not in records]
@@ -207,7 +210,8 @@ class PrimaryTier:
         if shortfall > 0:
             if shortfall > self.num_evictable:
                 return None
-            victims = self.policy.evict(shortfall, protected=set(keys))
+            guard = set(keys) if protected is None else protected
+            victims = self.policy.evict(shortfall, protected=guard)
             if victims is None:
                 return None
             for key, victim in victims:

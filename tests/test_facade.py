@@ -288,3 +288,27 @@ async def test_aclose_closes_everything_even_when_a_tier_fails_to_close(engine_i
     assert ScriptedTier.instances["stubborn"].closed
     assert kv.manager.region.closed and not region_path(engine_id).exists()
     assert any("failed to close" in record.getMessage() for record in caplog.records)
+
+
+# ------------------------------------------------------------- the serving path
+
+
+async def test_a_prompt_half_evicted_to_disk_reads_back_only_its_missing_chunks(
+    engine_id, tmp_path
+):
+    kv_cache = cache(blocks=96)
+    config = tiering_config(engine_id, [{"type": "fs", "root_dir": str(tmp_path)}], chunks=40)
+    async with KVTier(config, [kv_cache]) as kv:
+        first, second = keys("first-prompt", 28), keys("second-prompt", 28)
+        assert await kv.store(first, list(range(28)), "w1") == 28
+        await kv.drain()
+        assert await kv.store(second, list(range(28, 56)), "w2") == 28
+        await kv.drain()
+        assert kv.manager.readable_prefix(first) == 0  # its head went to make room
+        assert await kv.lookup(first, "r", timeout=30) == 28
+        assert await kv.load(first, list(range(60, 88)), "r") == 28
+        assert torch.equal(kv_cache[60:88], kv_cache[0:28])
+        kv.manager.on_schedule_end()
+        chunk = kv.manager.region.chunk_bytes
+        read = kv.manager.tier_stats()["1:fs"]["bytes_read"]
+        assert round(read / chunk) == 16  # only the 16 chunks that had left the primary

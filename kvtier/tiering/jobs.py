@@ -73,14 +73,15 @@ class JobTable:
         state.promotions.clear()
         return jobs
 
-    def finished(self, outcome: JobOutcome) -> None:
+    def finished(self, outcome: JobOutcome) -> list[OffloadKey] | None:
+        """Apply a job's outcome; for a promotion, the keys it made readable."""
         entry = self._jobs.get(outcome.job.job_id)
         if entry is None:
-            return
+            return None
         if outcome.job.is_promotion:
-            self._promotion_finished(entry, outcome)
-        else:
-            self._cascade_finished(entry, outcome)
+            return self._promotion_finished(entry, outcome)
+        self._cascade_finished(entry, outcome)
+        return None
 
     def released(self, released: JobReleased) -> None:
         """A timed-out job's coroutine stopped: its slots go back."""
@@ -97,7 +98,7 @@ class JobTable:
             state.read_chunks -= len(job.keys)
             self._primary.complete_read(job.keys)
 
-    def _promotion_finished(self, entry: _Job, outcome: JobOutcome) -> None:
+    def _promotion_finished(self, entry: _Job, outcome: JobOutcome) -> list[OffloadKey]:
         state, job, result = entry.state, outcome.job, outcome.result
         if outcome.released and result.success and result.successful_keys is None:
             loaded, failed = list(job.keys), []
@@ -123,6 +124,7 @@ class JobTable:
             counts.counters[Names.READ_BYTES] += _or(result.transfer_bytes, measured)
             counts.counters[Names.READ_TIME] += _or(result.transfer_time, outcome.elapsed)
             counts.samples[Names.PROMOTION_LATENCY].append(time.perf_counter() - entry.since)
+        return loaded
 
     def _cascade_finished(self, entry: _Job, outcome: JobOutcome) -> None:
         state, job, result = entry.state, outcome.job, outcome.result

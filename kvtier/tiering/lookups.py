@@ -19,7 +19,18 @@ from kvtier.tiering.outcomes import LookupOutcome
 from kvtier.tiering.runner import TierRunner
 from kvtier.tiering.stats import Counts
 
-__all__ = ["Promotion", "TierState"]
+__all__ = ["PrefixLookup", "Promotion", "TierState"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLookup:
+    """What one :meth:`~TieringOffloadingManager.lookup_prefix` call found."""
+
+    #: Keys readable now, pinned for the request, with their slots.
+    pinned: dict[OffloadKey, int]
+    #: Whether some key before the first miss is still on its way (written, promoted,
+    #: or asked of a tier): worth waiting for.
+    pending: bool
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Container, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -45,7 +45,7 @@ from kvtier.tiering.backpressure import Backpressure, BackpressureSettings
 from kvtier.tiering.completions import CompletionQueue
 from kvtier.tiering.gate import LookupCounter
 from kvtier.tiering.jobs import JobTable
-from kvtier.tiering.lookups import Promotion, TierState
+from kvtier.tiering.lookups import PrefixLookup, Promotion, TierState
 from kvtier.tiering.loop import LoopThread, TierLoop, run_inline
 from kvtier.tiering.outcomes import (
     JobOutcome,
@@ -212,18 +212,41 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             if self._completions:
                 self._drain()
-            gate = self._gate
-            if gate is not None:
-                gate.count(key)
-            counters = self._primary_counts.counters
-            counters[_QUERIES] += 1
-            state = self.primary.ref_count(key)
-            if state is not None:
-                counters[_HITS] += 1
-                return _HIT if state >= 0 else _HIT_PENDING
-            if not self._tiers:
-                return _MISS
-            return self._lookup_secondaries(key, req.req_id)
+            return self._lookup(key, req.req_id, None)
+
+    def lookup_prefix(
+        self,
+        keys: Sequence[OffloadKey],
+        req: ReqContext,
+        held: Container[OffloadKey] = (),
+    ) -> PrefixLookup:
+        """Look a whole prefix up in one call, pinning what is readable.
+
+        Walks ``keys`` in order, skipping those in ``held`` (pinned by an earlier
+        call), up to the first key no tier holds. Keys readable now are pinned for
+        the request (release them with :meth:`complete_load`); keys on their way
+        (being written, promoted or asked) make the answer pending. Promotions
+        started here never evict a key of ``keys``.
+        """
+        with self.lock:
+            if self._completions:
+                self._drain()
+            req_id = req.req_id
+            prefix = set(keys) if self._tiers else None
+            readable: list[OffloadKey] = []
+            pending = False
+            for key in keys:
+                if key in held:
+                    continue
+                result = self._lookup(key, req_id, prefix)
+                if result is _HIT:
+                    readable.append(key)
+                elif result is _MISS:
+                    break
+                else:
+                    pending = True
+            slots = self._pin(readable, req_id) if readable else []
+            return PrefixLookup(dict(zip(readable, slots, strict=True)), pending)
 
     def readable_prefix(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` are readable in the primary tier right now."""
@@ -232,18 +255,35 @@ class TieringOffloadingManager(AsyncResource):
                 self._drain()
             return self.primary.readable_prefix(keys)
 
-    def _lookup_secondaries(self, key: OffloadKey, req_id: str) -> LookupResult:
+    def _lookup(
+        self, key: OffloadKey, req_id: str, protected: Collection[OffloadKey] | None
+    ) -> LookupResult:
+        gate = self._gate
+        if gate is not None:
+            gate.count(key)
+        counters = self._primary_counts.counters
+        counters[_QUERIES] += 1
+        refs = self.primary.ref_count(key)
+        if refs is not None:
+            counters[_HITS] += 1
+            return _HIT if refs >= 0 else _HIT_PENDING
         retry = False
         for state in self._tiers:
             present = state.answer(key, req_id)
             if present is None:
                 retry = True
             elif present:
-                return self._begin_promotion(state, key, req_id)
+                return self._begin_promotion(state, key, req_id, protected)
         return _RETRY if retry else _MISS
 
-    def _begin_promotion(self, state: TierState, key: OffloadKey, req_id: str) -> LookupResult:
-        out = self.primary.prepare_write([key])
+    def _begin_promotion(
+        self,
+        state: TierState,
+        key: OffloadKey,
+        req_id: str,
+        protected: Collection[OffloadKey] | None,
+    ) -> LookupResult:
+        out = self.primary.prepare_write([key], protected)
         if out is None or not out.keys_to_store:
             self._counts.counters[Names.PROMOTION_ALLOCATION_FAILURES] += 1
             return _MISS
@@ -262,7 +302,15 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             if self._completions:
                 self._drain()
-            return self.primary.prepare_load(keys)
+            return LoadStoreSpec(chunk_ids=self._pin(keys, req.req_id))
+
+    def _pin(self, keys: Sequence[OffloadKey], req_id: str) -> list[int]:
+        """Pin readable ``keys`` for a request, taking over pins reserved for it."""
+        slots = list(self.primary.prepare_load(keys).chunk_ids)
+        claimed = self._requests.claim(req_id, keys)
+        if claimed:
+            self.primary.complete_load(claimed)
+        return slots
 
     def touch(self, keys: Sequence[OffloadKey], req: ReqContext) -> None:
         """Record a use of ``keys`` (first = head of the prefix) in every tier."""
@@ -298,7 +346,7 @@ class TieringOffloadingManager(AsyncResource):
             if output.keys_to_store:
                 self._counts.samples[Names.CPU_ALLOCATION_SIZE].append(len(output.keys_to_store))
                 self._evicted(output.evicted_keys)
-                self._requests.store_started(req.req_id)
+                self._requests.started(req.req_id)
             return output
 
     def complete_store(
@@ -309,7 +357,7 @@ class TieringOffloadingManager(AsyncResource):
             done = self.primary.complete_store(keys, success)
             if done and self._tiers and not self._closed:
                 self._cascade(done, req.req_id)
-            if self._requests.store_ended(req.req_id):
+            if self._requests.ended(req.req_id):
                 self._finish_request(req.req_id)
             # Lookups that saw these keys pending may be waiting for them.
             self._completions.notify()
@@ -337,10 +385,19 @@ class TieringOffloadingManager(AsyncResource):
         """A request entered the scheduler."""
 
     def on_request_finished(self, req: ReqContext) -> None:
-        """A request left the scheduler; tiers hear of it once its stores completed."""
+        """A request left the scheduler: its promotions not yet sent and the chunks kept
+        for it go now; tiers hear of it once its stores and promotions ended."""
         with self.lock:
-            if self._requests.finish(req.req_id):
-                self._finish_request(req.req_id)
+            req_id = req.req_id
+            for state in self._tiers:
+                promotion = state.promotions.pop(req_id, None)
+                if promotion is not None:
+                    self.primary.complete_write(promotion.keys, False)
+            reserved = self._requests.take_reserved(req_id)
+            if reserved:
+                self.primary.complete_load(reserved)
+            if self._requests.finish(req_id):
+                self._finish_request(req_id)
 
     def _finish_request(self, req_id: str) -> None:
         for state in self._tiers:
@@ -366,9 +423,9 @@ class TieringOffloadingManager(AsyncResource):
             batch = state.take_queued()
             if batch is not None:
                 launches.append((state.runner.launch_lookup, (batch,)))
-            launches.extend(
-                (state.runner.launch_job, (job, now)) for job in self._jobs.promotions(state)
-            )
+            for job in self._jobs.promotions(state):
+                self._requests.started(job.req_id)
+                launches.append((state.runner.launch_job, (job, now)))
         if launches:
             assert self._loop is not None
             self._loop.call(_launch_all, launches)
@@ -415,6 +472,13 @@ class TieringOffloadingManager(AsyncResource):
             self.lock.release()
         self._completions.notify()
 
+    def _promotion_ended(self, req_id: str, promoted: list[OffloadKey]) -> None:
+        # Keep what was promoted for the request that asked, until it loads or finishes.
+        if promoted and self._requests.reserve(req_id, promoted):
+            self.primary.prepare_read(promoted)
+        if self._requests.ended(req_id):
+            self._finish_request(req_id)
+
     def _drain(self) -> None:
         for outcome in self._completions.drain():
             self._apply(outcome)
@@ -422,7 +486,9 @@ class TieringOffloadingManager(AsyncResource):
     def _apply(self, outcome: Outcome) -> None:
         match outcome:
             case JobOutcome():
-                self._jobs.finished(outcome)
+                promoted = self._jobs.finished(outcome)
+                if promoted is not None:
+                    self._promotion_ended(outcome.job.req_id, promoted)
             case LookupOutcome():
                 self._tiers[outcome.runner].lookup_done(outcome)
             case JobReleased():

@@ -366,3 +366,55 @@ async def test_shutdown_grace_bounds_how_long_close_waits_for_a_stuck_tier(engin
         assert loop.time() - started < 3
         assert tier.closed
         tier.gate.set()
+
+
+async def test_concurrent_prompts_in_a_tight_primary_promote_nothing_twice(engine_id):
+    # Four prompts of 4 chunks, a primary of 14: the last prompt finds room for two.
+    async with opened(engine_id, [scripted("keep", instant=True)], chunks=14) as manager:
+        tier = ScriptedTier.instances["keep"]
+        prompts = [keys(f"prompt-{i}", 4) for i in range(4)]
+        for prompt in prompts:
+            fill(manager, prompt)
+            await settle(manager)
+        await manager.areset_cache()
+        requests = [ReqContext(f"r{i}") for i in range(4)]
+        first_pass = [
+            [manager.lookup(k, req) for k in p] for p, req in zip(prompts, requests, strict=True)
+        ]
+        assert first_pass[3] == [PENDING, PENDING, MISS, MISS]
+        manager.on_schedule_end()
+        await settle(manager)  # all promoted; no request has loaded yet
+        # The request that found no room asks again first: it may evict nothing kept for
+        # the others, so it still misses, and they find all their chunks.
+        assert [manager.lookup(k, requests[3]) for k in prompts[3]] == [HIT, HIT, MISS, MISS]
+        for prompt, req in zip(prompts[:3], requests[:3], strict=True):
+            assert [manager.lookup(k, req) for k in prompt] == [HIT] * 4
+            manager.prepare_load(prompt, req)
+            manager.complete_load(prompt, req)
+            manager.on_request_finished(req)
+        promoted = [key for job in tier.load_jobs for key in job.keys]
+        assert len(promoted) == len(set(promoted)) == 14
+        # Loaded chunks are evictable again; the last request's stay kept until it ends.
+        assert manager.primary.num_busy == 2
+        manager.on_request_finished(requests[3])
+        assert manager.primary.num_busy == 0
+
+
+async def test_a_prefix_lookup_never_evicts_the_prefix_it_resolves(engine_id):
+    async with opened(engine_id, [scripted("prefix", instant=True)], chunks=10) as manager:
+        tier = ScriptedTier.instances["prefix"]
+        first, second = keys("head", 7), keys("later", 7)
+        for batch in (first[:4], first[4:], second[:4], second[4:]):
+            fill(manager, batch)
+            await settle(manager)
+        resident = [key for key in first if manager.primary.slot_of(key) is not None]
+        assert resident == first[4:]  # the oldest chunks went first
+        req = ReqContext("again")
+        found = manager.lookup_prefix(first, req)
+        assert found.pending and list(found.pinned) == first[4:]
+        manager.on_schedule_end()
+        await settle(manager)
+        found = manager.lookup_prefix(first, req, held=found.pinned)
+        assert not found.pending and list(found.pinned) == first[:4]
+        assert [key for job in tier.load_jobs for key in job.keys] == first[:4]
+        manager.complete_load(first, req)
