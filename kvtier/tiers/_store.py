@@ -150,35 +150,33 @@ class NamespaceDescription:
 class CorruptChunks:
     """A tier's handling of stored chunks that failed verification.
 
-    ``remove`` deletes chunks by key and returns the keys it removed; it must not
-    raise (a chunk it could not remove fails verification again next time). ``where``
-    gives a chunk's location (a path, a URL) for the log line.
+    ``where`` gives a chunk's location (a path, a URL) for the log line.
     """
 
     def __init__(
-        self,
-        ctx: TierContext,
-        log: ThrottledLog,
-        remove: Callable[[Sequence[OffloadKey]], Awaitable[Sequence[OffloadKey]]],
-        where: Callable[[OffloadKey], object],
+        self, ctx: TierContext, log: ThrottledLog, where: Callable[[OffloadKey], object]
     ) -> None:
         self._ctx = ctx
         self._log = log
-        self._remove = remove
         self._where = where
 
     async def discard(
-        self, problems: Mapping[OffloadKey, str], during: str
+        self,
+        problems: Mapping[OffloadKey, str],
+        during: str,
+        remove: Callable[[Sequence[OffloadKey]], Awaitable[Sequence[OffloadKey]]],
     ) -> Sequence[OffloadKey]:
         """Count, remove and report chunks found corrupt ``during`` one operation.
 
-        ``problems`` maps each key to what was wrong with its chunk. Returns the keys
-        whose chunks were removed.
+        ``problems`` maps each key to what was wrong with its chunk. ``remove``
+        deletes chunks by key and returns the keys it removed; it must not raise (a
+        chunk it could not remove fails verification again next time). Returns the
+        keys whose chunks were removed.
         """
         if not problems:
             return []
         self._ctx.report_integrity_failure(len(problems))
-        removed = await self._remove(list(problems))
+        removed = await remove(list(problems))
         self._log.warning(
             "corrupt",
             "%d stored chunk(s) failed verification during %s (%s), e.g. %s; "

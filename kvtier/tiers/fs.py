@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -167,7 +168,7 @@ class FileSystemTier(SecondaryTier):
         self._file_bytes = HEADER_BYTES + ctx.chunk_bytes
         self._events = EventLog(ctx.enable_events)
         self._log = ThrottledLog(logger, f"tier {ctx.tier_name}")
-        self._corrupt = CorruptChunks(ctx, self._log, self._remove, self.path_of)
+        self._corrupt = CorruptChunks(ctx, self._log, self.path_of)
         # Both need a running event loop, so start() creates them.
         self._readers: anyio.CapacityLimiter | None = None
         self._writers: anyio.CapacityLimiter | None = None
@@ -339,8 +340,7 @@ class FileSystemTier(SecondaryTier):
                 for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True)
                 if key not in self._index
             ]
-        stripes = _stripes(todo, self.settings.write_depth)
-        done = await _each_in_thread(self._write_stripe, stripes, self._writers)
+        done = await _in_threads(self._write_stripe, todo, self.settings.write_depth, self._writers)
         written = [key for key, error in done if error is None]
         errors = [error for _, error in done if error is not None]
         if written:
@@ -459,12 +459,12 @@ class FileSystemTier(SecondaryTier):
         chunks = [
             (key, view[chunk_id]) for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True)
         ]
-        stripes = _stripes(chunks, self.settings.read_depth)
-        outcomes = dict(await _each_in_thread(self._read_stripe, stripes, self._readers))
+        depth = self.settings.read_depth
+        outcomes = dict(await _in_threads(self._read_stripe, chunks, depth, self._readers))
         loaded = [key for key in job.keys if outcomes.get(key) is None]
         lost = [key for key in job.keys if outcomes.get(key) is not None]
         corrupt = {k: r for k, r in outcomes.items() if r is not None and r != MISSING}
-        await self._corrupt.discard(corrupt, f"promotion job {job.job_id}")
+        await self._corrupt.discard(corrupt, f"promotion job {job.job_id}", self._remove)
         self._forget(lost)
         return JobResult(job.job_id, not lost, successful_keys=loaded)
 
@@ -535,35 +535,29 @@ class FileSystemTier(SecondaryTier):
         self.ctx.metrics.set(USED_BYTES, self._used_bytes, (self.ctx.tier_name,))
 
 
-def _stripes(items: list[_Item], count: int) -> list[list[_Item]]:
-    """``items`` cut into at most ``count`` contiguous runs of near-equal length.
-
-    Each run is one thread call: a thread that moves several chunks back to back keeps
-    the disk busy without a trip through the event loop between chunks.
-    """
-    count = max(1, min(count, len(items)))
-    size, extra = divmod(len(items), count)
-    stripes: list[list[_Item]] = []
-    start = 0
-    for i in range(count):
-        end = start + size + (1 if i < extra else 0)
-        stripes.append(items[start:end])
-        start = end
-    return stripes
-
-
-async def _each_in_thread(
+async def _in_threads(
     work: Callable[[list[_Item]], list[_Result]],
-    stripes: list[list[_Item]],
+    items: list[_Item],
+    depth: int,
     limiter: anyio.CapacityLimiter | None,
 ) -> list[_Result]:
-    """``work`` on every stripe, each in a thread of ``limiter``; all results in order.
+    """``work`` on ``items`` cut into at most ``depth`` contiguous runs, each run in a
+    thread of ``limiter``; every result, in order.
 
-    Every thread call has ended when this returns or raises, so no slot is read or
-    written after the job is over.
+    A thread that moves several chunks back to back keeps the disk busy without a trip
+    through the event loop between chunks. Every thread call has ended when this
+    returns or raises, so no slot is read or written after the job is over.
     """
+    if not items:
+        return []
+    count = min(depth, len(items))
+    size, extra = divmod(len(items), count)
+    bounds = [i * size + min(i, extra) for i in range(count + 1)]
     outcomes = await asyncio.gather(
-        *(anyio.to_thread.run_sync(work, stripe, limiter=limiter) for stripe in stripes),
+        *(
+            anyio.to_thread.run_sync(work, items[start:end], limiter=limiter)
+            for start, end in itertools.pairwise(bounds)
+        ),
         return_exceptions=True,
     )
     results: list[_Result] = []
