@@ -28,7 +28,8 @@ from s3_servers import (
 from kvtier import ConfigError, KVTier, OffloadingSpecFactory
 from kvtier.metrics import Names
 from kvtier.records import Medium
-from kvtier.tiers.s3 import S3Tier, S3TierError, _Body
+from kvtier.tiers.s3 import S3Tier, S3TierError
+from kvtier.tiers.s3.client import RequestBody as _Body
 
 pytestmark = pytest.mark.anyio
 
