@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from kvtier._secrets import Secret
 from kvtier.config import ConfigReader
 from kvtier.errors import ConfigError
+from kvtier.tiers._format import HEADER_BYTES
 
 __all__ = ["S3Settings", "display_url"]
 
@@ -212,15 +213,16 @@ class S3Settings:
             )
         return self.job_deadline_s
 
-    def check_object_bytes(self, object_bytes: int, path: str) -> None:
-        """Check that objects of ``object_bytes`` can be uploaded with these settings.
+    def object_bytes_for(self, chunk_bytes: int, path: str) -> int:
+        """The size of the object that holds a chunk of ``chunk_bytes``.
 
         Raises:
-            ConfigError: a multipart upload would take more parts than S3 allows
-                (named by ``path.multipart_part_bytes``).
+            ConfigError: a multipart upload of it would take more parts than S3
+                allows (named by ``path.multipart_part_bytes``).
         """
+        object_bytes = HEADER_BYTES + chunk_bytes
         if object_bytes < self.multipart_threshold:
-            return
+            return object_bytes
         parts = -(-object_bytes // self.multipart_part_bytes)
         if parts > MAX_PARTS:
             raise ConfigError(
@@ -228,6 +230,7 @@ class S3Settings:
                 f"a chunk object of {object_bytes} bytes would take {parts} parts; "
                 f"S3 allows {MAX_PARTS}",
             )
+        return object_bytes
 
 
 def _secret(value: str | None) -> Secret[str] | None:

@@ -80,8 +80,7 @@ class S3Tier(SecondaryTier):
     def __init__(self, ctx: TierContext, **params: Any) -> None:
         super().__init__(ctx)
         self.settings = S3Settings.from_params(params, ctx.config_path)
-        self.object_bytes = HEADER_BYTES + ctx.chunk_bytes
-        self.settings.check_object_bytes(self.object_bytes, ctx.config_path)
+        self.object_bytes = self.settings.object_bytes_for(ctx.chunk_bytes, ctx.config_path)
         self._format = ChunkFormat(ctx.namespace)
         directory = namespace_directory(ctx.model_name, self._format)
         prefix = self.settings.prefix
