@@ -153,12 +153,6 @@ class S3Client(AsyncResource):
         #: turned off for a server that answers 501 to it.
         self.conditional_writes = True
 
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(bucket={self.settings.bucket!r}, "
-            f"endpoint={display_url(self.settings.endpoint_url)!r})"
-        )
-
     # -------------------------------------------------------------- lifecycle
 
     def deadline(self) -> float:
