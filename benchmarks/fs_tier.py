@@ -129,7 +129,7 @@ async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
         latencies += job_latencies
         await manager.areset_cache()
         await asyncio.to_thread(unlink_all, files)
-        depth = max(tier.read_depth, tier.write_depth)
+        depth = max(tier.settings.read_depth, tier.settings.write_depth)
         raw = await asyncio.to_thread(
             measure_disk,
             root / f"raw{round_index}",
@@ -163,8 +163,8 @@ async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
             "loop_lag_p99_ms": percentile(probe.lags, 0.99) * 1e3,
             "integrity_failures": integrity,
             "o_direct": float(tier.o_direct),
-            "read_depth": float(tier.read_depth),
-            "write_depth": float(tier.write_depth),
+            "read_depth": float(tier.settings.read_depth),
+            "write_depth": float(tier.settings.write_depth),
         }
     )
     return figures

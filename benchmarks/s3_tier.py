@@ -174,7 +174,7 @@ async def measure(
                 await manager.areset_cache()
                 probe.phase = "raw"
                 raw_write, raw_read = await raw_round(
-                    client, payload, count, tier.max_concurrency, f"raw{round_index}"
+                    client, payload, count, tier.settings.max_concurrency, f"raw{round_index}"
                 )
                 probe.phase = None
                 measured = {
@@ -199,7 +199,7 @@ async def measure(
             "rounds": float(args.rounds),
             "chunks_per_round": float(count),
             "chunk_bytes": float(chunk),
-            "max_concurrency": float(tier.max_concurrency),
+            "max_concurrency": float(tier.settings.max_concurrency),
             "promotion_p50_ms": percentile(latencies, 0.5) * 1e3,
             "promotion_p99_ms": percentile(latencies, 0.99) * 1e3,
             "loop_lag_p50_ms": percentile(probe.by_phase.get("tier", []), 0.5) * 1e3,

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
-from kvtier.tiers.fs import SUFFIX
+from kvtier.tiers._store import (
+    NAMESPACE_FILE,
+    SUFFIX,
+    TEMP_SUFFIX,
+    NamespaceDescription,
+    key_of,
+)
 
 __all__ = ["NamespaceReport", "inspect_root"]
 
@@ -43,20 +48,15 @@ def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
         description = _description(directory)
         if description is None:
             continue
-        namespace, model, chunk_bytes = (
-            description.get("namespace"),
-            description.get("model"),
-            description.get("chunk_bytes"),
-        )
         report = NamespaceReport(
             directory=directory.name,
-            namespace=namespace if isinstance(namespace, str) else None,
-            model=model if isinstance(model, str) else None,
-            chunk_bytes=chunk_bytes if isinstance(chunk_bytes, int) else None,
+            namespace=description.namespace,
+            model=description.model,
+            chunk_bytes=description.chunk_bytes,
         )
         chunk_format = ChunkFormat(report.namespace) if report.namespace else None
         for path in sorted(directory.glob("*/*")):
-            if path.name.endswith(".tmp"):
+            if path.name.endswith(TEMP_SUFFIX):
                 report.temporary_files += 1
                 continue
             if not path.name.endswith(SUFFIX):
@@ -73,20 +73,18 @@ def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
     return reports
 
 
-def _description(directory: Path) -> dict[str, object] | None:
+def _description(directory: Path) -> NamespaceDescription | None:
     try:
-        loaded = json.loads((directory / "namespace.json").read_text())
+        return NamespaceDescription.from_json((directory / NAMESPACE_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return loaded if isinstance(loaded, dict) else None
 
 
 def _verify(path: Path, chunk_format: ChunkFormat | None, chunk_bytes: int | None) -> str | None:
-    if chunk_format is None or not isinstance(chunk_bytes, int):
+    if chunk_format is None or chunk_bytes is None:
         return "namespace.json does not describe the chunks"
-    try:
-        key = bytes.fromhex(path.name[: -len(SUFFIX)])
-    except ValueError:
+    key = key_of(path.name)
+    if key is None:
         return "file name is not a key"
     try:
         data = path.read_bytes()
@@ -95,4 +93,4 @@ def _verify(path: Path, chunk_format: ChunkFormat | None, chunk_bytes: int | Non
     if len(data) != HEADER_BYTES + chunk_bytes:
         return f"{len(data)} bytes, expected {HEADER_BYTES + chunk_bytes}"
     view = memoryview(data)
-    return chunk_format.verify(view[:HEADER_BYTES], key, view[HEADER_BYTES:])  # type: ignore[arg-type]
+    return chunk_format.verify(view[:HEADER_BYTES], key, view[HEADER_BYTES:])

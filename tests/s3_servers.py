@@ -36,8 +36,10 @@ __all__ = [
     "MotoServer",
     "RcloneS3Server",
     "free_port",
+    "put_object",
     "raw_client",
     "rclone_binary",
+    "read_object",
 ]
 
 
@@ -74,6 +76,23 @@ async def raw_client(endpoint: str, **config: Any) -> AsyncIterator[Any]:
     settings.update(config)
     async with s3_client(endpoint, AioConfig(**settings)) as client:
         yield client
+
+
+async def read_object(endpoint: str, bucket: str, name: str) -> bytes | None:
+    """The bytes of object ``name``, or None when there is none."""
+    async with raw_client(endpoint) as client:
+        try:
+            response = await client.get_object(Bucket=bucket, Key=name)
+        except client.exceptions.NoSuchKey:
+            return None
+        async with response["Body"] as body:
+            return bytes(await body.read())
+
+
+async def put_object(endpoint: str, bucket: str, name: str, data: bytes) -> None:
+    """Store ``data`` as object ``name``, past any tier (to plant or damage objects)."""
+    async with raw_client(endpoint) as client:
+        await client.put_object(Bucket=bucket, Key=name, Body=data)
 
 
 class ChaosProxy:

@@ -1,9 +1,10 @@
 """The example tier: an in-memory dictionary, and the model for writing a tier.
 
-Copy this file to start a tier of your own. Everything a tier must do is here: read its
-parameters, answer lookups, copy bytes out of pinned primary slots on ``store`` and
-into allocated slots on ``load``, and report events. Everything else (tasks,
-concurrency, timeouts, failures, metrics, back-pressure) is the framework's.
+Copy this file to start a tier of your own. Everything a tier must do is here: declare
+its parameters as a frozen dataclass, answer lookups, copy bytes out of pinned primary
+slots on ``store`` and into allocated slots on ``load``, and report events. Everything
+else (tasks, concurrency, timeouts, failures, metrics, back-pressure) is the
+framework's.
 
 Configuration::
 
@@ -13,32 +14,48 @@ Configuration::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from kvtier.config import ConfigReader
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, MetricDefinition
 from kvtier.records import EventLog, Medium, OffloadingEvent
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 
-__all__ = ["ExampleTier"]
+__all__ = ["ExampleSettings", "ExampleTier"]
 
 STORED_CHUNKS = "kvtier_example_stored_chunks"
 
 
-class ExampleTier(SecondaryTier):
-    """Keeps chunks as ``bytes`` in a dictionary (no capacity limit).
+@dataclass(frozen=True)
+class ExampleSettings:
+    """The example tier's parameters: one field per key, each documented here.
 
-    ``custom_param`` (int, default 0) does nothing but show how a tier reads and
-    validates a parameter.
+    :meth:`from_params` is all the checking a configuration gets before anything is
+    built, so it reads every key, names a bad one by its path and opens nothing.
     """
 
+    #: An integer that does nothing but show how a parameter is read and checked (0).
+    custom_param: int = 0
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], path: str) -> ExampleSettings:
+        reader = ConfigReader(params, path)
+        custom_param = reader.integer("custom_param", 0)
+        reader.reject_unknown()  # a misspelt key is an error, never a silent default
+        return cls(custom_param=custom_param)
+
+
+class ExampleTier(SecondaryTier):
+    """Keeps chunks as ``bytes`` in a dictionary (no capacity limit)."""
+
     medium = Medium.CPU
+    settings_class = ExampleSettings
 
     def __init__(self, ctx: TierContext, **params: Any) -> None:
         super().__init__(ctx)
-        settings = ctx.read(params)
-        self.custom_param: int = settings.integer("custom_param", 0)
-        settings.reject_unknown()
+        self.settings = ExampleSettings.from_params(params, ctx.config_path)
         self._chunks: dict[OffloadKey, bytes] = {}
         self._events = EventLog(ctx.enable_events)
 

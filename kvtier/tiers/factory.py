@@ -44,8 +44,8 @@ class SecondaryTierFactory:
     )
     _registry.register("example", "kvtier.tiers.example", "ExampleTier")
     _registry.register("fs", "kvtier.tiers.fs", "FileSystemTier")
-    _registry.register("s3", "kvtier.tiers.s3", "S3Tier")
-    _registry.register("obj", "kvtier.tiers.s3", "S3Tier")
+    _registry.register("s3", "kvtier.tiers.s3.tier", "S3Tier")
+    _registry.register("obj", "kvtier.tiers.s3.tier", "S3Tier")
     _registry.register("p2p", "kvtier.tiers.p2p", "PeerTier")
 
     @classmethod

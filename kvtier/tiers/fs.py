@@ -30,35 +30,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
+import itertools
 import logging
 import mmap
 import os
-import re
-import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import aiofiles.os
 import anyio
 import anyio.to_thread
 
+from kvtier._logs import ThrottledLog, describe_error
+from kvtier.config import ConfigReader
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
 from kvtier.records import EventLog, Medium, OffloadingEvent
+from kvtier.resources import TaskSet
 from kvtier.tiers._format import HEADER_BYTES, MAX_KEY_BYTES, ChunkFormat
+from kvtier.tiers._store import (
+    MISSING,
+    NAMESPACE_FILE,
+    TEMP_SUFFIX,
+    CorruptChunks,
+    NamespaceDescription,
+    chunk_path,
+    key_of,
+    namespace_directory,
+    temp_name,
+)
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 
-__all__ = ["FileSystemTier"]
+__all__ = ["FileSystemTier", "FsSettings"]
 
 logger = logging.getLogger(__name__)
 
-SUFFIX = ".kvt"
 USED_BYTES = "kvtier_fs_used_bytes"
 EVICTED_CHUNKS = "kvtier_fs_evicted_chunks"
 
@@ -68,50 +80,86 @@ EVICTED_CHUNKS = "kvtier_fs_evicted_chunks"
 # raw pwritev at depth 4. Other disks differ: both are settings.
 DEFAULT_READ_DEPTH = 4
 DEFAULT_WRITE_DEPTH = 4
+# Far beyond any useful depth (the measured optimum is 4): a typo, not a tuning.
+_MAX_DEPTH = 256
 # Temporary files older than this belong to writers that died; younger ones may be live.
 STALE_TMP_S = 3600.0
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_MODEL_SLUG = re.compile(r"[^A-Za-z0-9._-]+")
-_MISSING = "missing"
 _Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
+
+
+@dataclass(frozen=True)
+class FsSettings:
+    """The fs tier's parameters (``{"type": "fs", "root_dir": ...}``)."""
+
+    #: The directory under which each namespace gets a directory of its own. Required;
+    #: ``~`` is expanded when the tier is built. Created at start if it is missing.
+    root_dir: Path
+    #: Bytes of chunk files the tier keeps; beyond it the least recently used files are
+    #: removed. None (the default): no limit but the filesystem's.
+    capacity_bytes: int | None = None
+    #: Chunk files read at once (4). ``io_concurrency`` sets this and ``write_depth``
+    #: together; either one given on its own wins over it.
+    read_depth: int = DEFAULT_READ_DEPTH
+    #: Chunk files written at once (4); see ``read_depth``.
+    write_depth: int = DEFAULT_WRITE_DEPTH
+    #: Write without the page cache: ``"auto"`` where the filesystem supports it (probed
+    #: at start), true to require it, false never.
+    o_direct: bool | Literal["auto"] = "auto"
+    #: Flush each file to the device before it becomes visible (false): a crash of the
+    #: machine may otherwise leave files of the last seconds empty (they then fail
+    #: verification and count as misses).
+    fsync: bool = False
+    #: Other processes or nodes may write to the same ``root_dir`` (true): a key the
+    #: tier's index does not know is looked for on disk before it is called a miss.
+    shared: bool = True
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], path: str) -> FsSettings:
+        """Read the fs tier's parameters; errors name ``path.<parameter>``."""
+        reader = ConfigReader(params, path)
+        root_dir = Path(reader.string("root_dir"))
+        capacity_bytes = reader.integer("capacity_bytes", None, minimum=1)
+        depth = reader.integer("io_concurrency", None, minimum=1, maximum=_MAX_DEPTH)
+        read_depth = reader.integer(
+            "read_depth", depth or DEFAULT_READ_DEPTH, minimum=1, maximum=_MAX_DEPTH
+        )
+        write_depth = reader.integer(
+            "write_depth", depth or DEFAULT_WRITE_DEPTH, minimum=1, maximum=_MAX_DEPTH
+        )
+        o_direct = reader.raw("o_direct", "auto")
+        if o_direct not in ("auto", True, False):
+            raise ConfigError(reader.path_of("o_direct"), 'expected "auto", true or false')
+        fsync = reader.boolean("fsync", False)
+        shared = reader.boolean("shared", True)
+        reader.reject_unknown()
+        return cls(
+            root_dir=root_dir,
+            capacity_bytes=capacity_bytes,
+            read_depth=read_depth,
+            write_depth=write_depth,
+            o_direct=o_direct,
+            fsync=fsync,
+            shared=shared,
+        )
 
 
 class FileSystemTier(SecondaryTier):
-    """Chunks as files on a local or shared filesystem.
-
-    Parameters: ``root_dir`` (required); ``capacity_bytes`` (evict least recently
-    used files beyond it); ``read_depth`` / ``write_depth`` (concurrent reads / writes,
-    4 / 4), or ``io_concurrency`` to set both; ``o_direct`` (``"auto"``, true, false:
-    write without the page cache; auto uses it where the filesystem supports it);
-    ``fsync`` (flush each file before it becomes visible, false); ``shared`` (other
-    writers may add files: look on disk for keys the index does not know, true).
-    """
+    """Chunks as files on a local or shared filesystem (parameters: :class:`FsSettings`)."""
 
     medium = Medium.STORAGE
     locality = "local"
+    settings_class = FsSettings
 
     def __init__(self, ctx: TierContext, **params: Any) -> None:
         super().__init__(ctx)
-        settings = ctx.read(params)
-        self.root_dir = Path(settings.string("root_dir")).expanduser()
-        self.capacity_bytes: int | None = settings.integer("capacity_bytes", None, minimum=1)
-        depth = settings.integer("io_concurrency", None, minimum=1, maximum=256)
-        self.read_depth: int = settings.integer(
-            "read_depth", depth or DEFAULT_READ_DEPTH, minimum=1, maximum=256
-        )
-        self.write_depth: int = settings.integer(
-            "write_depth", depth or DEFAULT_WRITE_DEPTH, minimum=1, maximum=256
-        )
-        o_direct = settings.raw("o_direct", "auto")
-        if o_direct not in ("auto", True, False):
-            raise ConfigError(settings.path_of("o_direct"), 'expected "auto", true or false')
-        self.o_direct_setting: str | bool = o_direct
-        self.fsync: bool = settings.boolean("fsync", False)
-        self.shared: bool = settings.boolean("shared", True)
-        settings.reject_unknown()
+        self.settings = FsSettings.from_params(params, ctx.config_path)
         self._format = ChunkFormat(ctx.namespace)
-        slug = _MODEL_SLUG.sub("_", ctx.model_name).strip("_")[:64] or "model"
-        self.directory = self.root_dir / f"{slug}_{self._format.digest_hex}"
+        self.directory = self.settings.root_dir.expanduser() / namespace_directory(
+            ctx.model_name, self._format
+        )
+        #: Whether files are written with O_DIRECT: decided at start.
         self.o_direct = False
         self._index: OrderedDict[OffloadKey, int] = OrderedDict()
         self._index_lock = threading.Lock()
@@ -119,10 +167,12 @@ class FileSystemTier(SecondaryTier):
         self._scanned = False
         self._file_bytes = HEADER_BYTES + ctx.chunk_bytes
         self._events = EventLog(ctx.enable_events)
+        self._log = ThrottledLog(logger, f"tier {ctx.tier_name}")
+        self._corrupt = CorruptChunks(ctx, self._log, self.path_of)
         # Both need a running event loop, so start() creates them.
         self._readers: anyio.CapacityLimiter | None = None
         self._writers: anyio.CapacityLimiter | None = None
-        self._scan_task: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(f"tier {ctx.tier_name}")
         self._scan_done = asyncio.Event()
 
     @classmethod
@@ -140,49 +190,46 @@ class FileSystemTier(SecondaryTier):
     # -------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        self._readers = anyio.CapacityLimiter(self.read_depth)
-        self._writers = anyio.CapacityLimiter(self.write_depth)
+        self._readers = anyio.CapacityLimiter(self.settings.read_depth)
+        self._writers = anyio.CapacityLimiter(self.settings.write_depth)
         await aiofiles.os.makedirs(self.directory, exist_ok=True)
         await self._check_namespace_file()
         self.o_direct = await self._probe_o_direct()
         # The scan may take long on a big directory; lookups do not wait for it.
-        self._scan_task = asyncio.create_task(self._scan())
+        self._tasks.spawn(self._scan(), name=f"scan {self.directory}")
 
     async def aclose(self) -> None:
-        if self._scan_task is not None:
-            task, self._scan_task = self._scan_task, None
-            await task
+        # The scan runs in a thread that cannot be interrupted: let it end.
+        await self._tasks.wait()
+        await self._tasks.aclose()
 
     async def _check_namespace_file(self) -> None:
-        path = self.directory / "namespace.json"
-        description = {
-            "kvtier_chunk_format": 1,
-            "namespace": self.ctx.namespace,
-            "chunk_bytes": self.ctx.chunk_bytes,
-            "model": self.ctx.model_name,
-        }
+        path = self.directory / NAMESPACE_FILE
         try:
-            existing = json.loads(await anyio.Path(path).read_text())
+            existing = NamespaceDescription.from_json(await anyio.Path(path).read_text())
         except FileNotFoundError:
-            tmp = path.with_name(f"namespace.json.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-            await anyio.Path(tmp).write_text(json.dumps(description, indent=2) + "\n")
+            own = NamespaceDescription(
+                self.ctx.namespace, self.ctx.chunk_bytes, self.ctx.model_name
+            )
+            tmp = path.with_name(temp_name(path.name))
+            await anyio.Path(tmp).write_text(own.to_json())
             await aiofiles.os.replace(tmp, path)
             return
         except (OSError, ValueError) as exc:
             raise ConfigError(
                 f"{self.ctx.config_path}.root_dir", f"cannot read {path}: {exc}"
             ) from exc
-        if not isinstance(existing, dict) or existing.get("namespace") != self.ctx.namespace:
+        if existing is None or existing.namespace != self.ctx.namespace:
             raise ConfigError(
                 f"{self.ctx.config_path}.root_dir",
                 f"{path} describes another namespace than {self.ctx.namespace!r}",
             )
 
     async def _probe_o_direct(self) -> bool:
-        if self.o_direct_setting is False:
+        if self.settings.o_direct is False:
             return False
         supported = await anyio.to_thread.run_sync(self._o_direct_works)
-        if self.o_direct_setting is True and not supported:
+        if self.settings.o_direct is True and not supported:
             raise ConfigError(
                 f"{self.ctx.config_path}.o_direct",
                 f"the filesystem of {self.directory} does not support O_DIRECT",
@@ -192,7 +239,7 @@ class FileSystemTier(SecondaryTier):
     def _o_direct_works(self) -> bool:
         if not _O_DIRECT:
             return False
-        probe = self.directory / f".o_direct_probe.{os.getpid()}.{secrets.token_hex(4)}"
+        probe = self.directory / temp_name(".o_direct_probe")
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
         except OSError:
@@ -215,9 +262,7 @@ class FileSystemTier(SecondaryTier):
         try:
             found = await anyio.to_thread.run_sync(self._list_files)
         except OSError as exc:
-            logger.warning(
-                "tier %s: scanning %s failed: %s", self.ctx.tier_name, self.directory, exc
-            )
+            self._log.warning("scan", "scanning %s failed: %s", self.directory, describe_error(exc))
             found = []
         # Oldest first; keys stored while the scan ran are newer and stay where they are.
         with self._index_lock:
@@ -229,8 +274,7 @@ class FileSystemTier(SecondaryTier):
             self._scanned = True
         self._scan_done.set()
         self._publish_usage()
-        if self.capacity_bytes is not None:
-            await self._evict_to_capacity()
+        await self._evict_to_capacity()
 
     def _list_files(self) -> list[tuple[OffloadKey, int, float]]:
         found: list[tuple[OffloadKey, int, float]] = []
@@ -245,15 +289,14 @@ class FileSystemTier(SecondaryTier):
                         st = entry.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    if name.endswith(".tmp"):
+                    if name.endswith(TEMP_SUFFIX):
                         if now - st.st_mtime > STALE_TMP_S:
                             with contextlib.suppress(OSError):
                                 os.unlink(entry.path)
                         continue
-                    if name.endswith(SUFFIX):
-                        key = _key_of(name)
-                        if key is not None:
-                            found.append((key, st.st_size, st.st_mtime))
+                    key = key_of(name)
+                    if key is not None:
+                        found.append((key, st.st_size, st.st_mtime))
         return found
 
     # ---------------------------------------------------------------- lookups
@@ -262,7 +305,7 @@ class FileSystemTier(SecondaryTier):
         with self._index_lock:
             if key in self._index:
                 return True
-        return False if self._scanned and not self.shared else None
+        return False if self._scanned and not self.settings.shared else None
 
     async def lookup(self, keys: Sequence[OffloadKey]) -> Sequence[bool]:
         sizes = await anyio.to_thread.run_sync(self._stat_all, keys, limiter=self._readers)
@@ -284,8 +327,8 @@ class FileSystemTier(SecondaryTier):
                     index.move_to_end(key)
 
     def path_of(self, key: OffloadKey) -> Path:
-        name = key.hex()
-        return self.directory / name[:2] / f"{name}{SUFFIX}"
+        """The file of ``key``'s chunk."""
+        return self.directory / chunk_path(key)
 
     # ----------------------------------------------------------------- stores
 
@@ -293,28 +336,13 @@ class FileSystemTier(SecondaryTier):
         view = self.ctx.primary_view
         with self._index_lock:
             todo = [
-                (key, chunk_id)
+                (key, view[chunk_id])
                 for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True)
                 if key not in self._index
             ]
-        errors: list[BaseException] = []
-        written: list[OffloadKey] = []
-
-        async def write_stripe(stripe: list[tuple[OffloadKey, int]]) -> None:
-            done = await anyio.to_thread.run_sync(
-                self._write_stripe,
-                [(key, view[chunk_id]) for key, chunk_id in stripe],
-                limiter=self._writers,
-            )
-            for key, error in done:
-                if error is None:
-                    written.append(key)
-                else:
-                    errors.append(error)
-
-        async with anyio.create_task_group() as group:
-            for stripe in _stripes(todo, self.write_depth):
-                group.start_soon(write_stripe, stripe)
+        done = await _in_threads(self._write_stripe, todo, self.settings.write_depth, self._writers)
+        written = [key for key, error in done if error is None]
+        errors = [error for _, error in done if error is not None]
         if written:
             with self._index_lock:
                 for key in written:
@@ -323,12 +351,11 @@ class FileSystemTier(SecondaryTier):
                     self._index[key] = self._file_bytes
                     self._index.move_to_end(key)
             self._events.add(written, self.medium, False, self.ctx.tier_name)
-            if self.capacity_bytes is not None:
-                await self._evict_to_capacity()
+            await self._evict_to_capacity()
             self._publish_usage()
         if errors:
             raise OSError(
-                errors[0].errno if isinstance(errors[0], OSError) else errno.EIO,
+                errors[0].errno,
                 f"{len(errors)} of {len(todo)} chunk writes failed, first: {errors[0]}",
             )
         return JobResult(job.job_id, True, transfer_bytes=len(written) * self.ctx.chunk_bytes)
@@ -351,7 +378,7 @@ class FileSystemTier(SecondaryTier):
         if len(key) > MAX_KEY_BYTES:
             raise OSError(errno.ENAMETOOLONG, f"key of {len(key)} bytes is too long to store")
         final = self.path_of(key)
-        tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        tmp = final.with_name(temp_name(final.name))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         if self.o_direct:
             flags |= _O_DIRECT
@@ -365,7 +392,7 @@ class FileSystemTier(SecondaryTier):
         total = HEADER_BYTES + len(row)
         try:
             self._write_all(fd, [header, row], total)
-            if self.fsync:
+            if self.settings.fsync:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -394,10 +421,12 @@ class FileSystemTier(SecondaryTier):
     _pwritev = staticmethod(os.pwritev)
 
     async def _evict_to_capacity(self) -> None:
-        assert self.capacity_bytes is not None
+        capacity = self.settings.capacity_bytes
+        if capacity is None:
+            return
         victims: list[tuple[OffloadKey, int]] = []
         with self._index_lock:
-            while self._used_bytes > self.capacity_bytes and self._index:
+            while self._used_bytes > capacity and self._index:
                 key, size = self._index.popitem(last=False)
                 self._used_bytes -= size
                 victims.append((key, size))
@@ -407,44 +436,36 @@ class FileSystemTier(SecondaryTier):
         self._events.add([key for key, _ in victims], self.medium, True, self.ctx.tier_name)
         self.ctx.metrics.inc(EVICTED_CHUNKS, len(victims), (self.ctx.tier_name,))
 
-    def _unlink_all(self, keys: Sequence[OffloadKey]) -> None:
+    def _unlink_all(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Remove the files of ``keys``; the keys whose file is gone. Runs in a thread."""
+        gone = []
         for key in keys:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(self.path_of(key))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            gone.append(key)
+        return gone
+
+    async def _remove(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        return await anyio.to_thread.run_sync(self._unlink_all, keys)
 
     # ------------------------------------------------------------------ loads
 
     async def load(self, job: TransferJob) -> JobResult:
         view = self.ctx.primary_view
-        outcomes: dict[OffloadKey, str | None] = {}
-
-        async def read_stripe(stripe: list[tuple[OffloadKey, int]]) -> None:
-            done = await anyio.to_thread.run_sync(
-                self._read_stripe,
-                [(key, view[chunk_id]) for key, chunk_id in stripe],
-                limiter=self._readers,
-            )
-            outcomes.update(done)
-
-        chunks = list(zip(job.keys, job.chunk_ids, strict=True))
-        async with anyio.create_task_group() as group:
-            for stripe in _stripes(chunks, self.read_depth):
-                group.start_soon(read_stripe, stripe)
+        chunks = [
+            (key, view[chunk_id]) for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True)
+        ]
+        depth = self.settings.read_depth
+        outcomes = dict(await _in_threads(self._read_stripe, chunks, depth, self._readers))
         loaded = [key for key in job.keys if outcomes.get(key) is None]
         lost = [key for key in job.keys if outcomes.get(key) is not None]
-        if lost:
-            self._forget(lost)
-            corrupt = {k: r for k, r in outcomes.items() if r is not None and r != _MISSING}
-            if corrupt:
-                self.ctx.report_integrity_failure(len(corrupt))
-                reasons = sorted(set(corrupt.values()))
-                logger.warning(
-                    "tier %s: %d chunk file(s) of job %d failed verification (%s); removed",
-                    self.ctx.tier_name,
-                    len(corrupt),
-                    job.job_id,
-                    ", ".join(reasons),
-                )
+        corrupt = {k: r for k, r in outcomes.items() if r is not None and r != MISSING}
+        await self._corrupt.discard(corrupt, f"promotion job {job.job_id}", self._remove)
+        self._forget(lost)
         return JobResult(job.job_id, not lost, successful_keys=loaded)
 
     def _read_stripe(
@@ -454,15 +475,15 @@ class FileSystemTier(SecondaryTier):
         return [(key, self._read_file(key, row)) for key, row in chunks]
 
     def _read_file(self, key: OffloadKey, row: memoryview) -> str | None:
-        """Read and verify one chunk into ``row``: None, "missing", or what was wrong.
+        """Read and verify one chunk into ``row``: None, ``MISSING``, or what was wrong.
 
-        Runs in a thread. A file that fails verification is removed.
+        Runs in a thread.
         """
         path = self.path_of(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return _MISSING
+            return MISSING
         header = bytearray(HEADER_BYTES)
         expected = HEADER_BYTES + len(row)
         try:
@@ -478,12 +499,11 @@ class FileSystemTier(SecondaryTier):
             # Loads refresh the modification time: it orders eviction after a restart.
             with contextlib.suppress(OSError):
                 os.utime(path)
-            return None
-        with contextlib.suppress(OSError):
-            os.unlink(path)
         return problem
 
     def _forget(self, keys: Sequence[OffloadKey]) -> None:
+        if not keys:
+            return
         removed: list[OffloadKey] = []
         with self._index_lock:
             for key in keys:
@@ -515,34 +535,43 @@ class FileSystemTier(SecondaryTier):
         self.ctx.metrics.set(USED_BYTES, self._used_bytes, (self.ctx.tier_name,))
 
 
-def _stripes(items: list[_Item], count: int) -> list[list[_Item]]:
-    """``items`` cut into at most ``count`` contiguous runs of near-equal length.
+async def _in_threads(
+    work: Callable[[list[_Item]], list[_Result]],
+    items: list[_Item],
+    depth: int,
+    limiter: anyio.CapacityLimiter | None,
+) -> list[_Result]:
+    """``work`` on ``items`` cut into at most ``depth`` contiguous runs, each run in a
+    thread of ``limiter``; every result, in order.
 
-    Each run is one thread call: a thread that moves several chunks back to back keeps
-    the disk busy without a trip through the event loop between chunks.
+    A thread that moves several chunks back to back keeps the disk busy without a trip
+    through the event loop between chunks. Every thread call has ended when this
+    returns or raises, so no slot is read or written after the job is over.
     """
-    count = max(1, min(count, len(items)))
+    if not items:
+        return []
+    count = min(depth, len(items))
     size, extra = divmod(len(items), count)
-    stripes: list[list[_Item]] = []
-    start = 0
-    for i in range(count):
-        end = start + size + (1 if i < extra else 0)
-        stripes.append(items[start:end])
-        start = end
-    return stripes
+    bounds = [i * size + min(i, extra) for i in range(count + 1)]
+    outcomes = await asyncio.gather(
+        *(
+            anyio.to_thread.run_sync(work, items[start:end], limiter=limiter)
+            for start, end in itertools.pairwise(bounds)
+        ),
+        return_exceptions=True,
+    )
+    results: list[_Result] = []
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+        results.extend(outcome)
+    return results
 
 
 def _size_of(path: Path) -> int | None:
     try:
         return os.stat(path).st_size
     except OSError:
-        return None
-
-
-def _key_of(name: str) -> OffloadKey | None:
-    try:
-        return OffloadKey(bytes.fromhex(name[: -len(SUFFIX)]))
-    except ValueError:
         return None
 
 

