@@ -186,7 +186,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvtier.bench.report import combine, plot, print_report
-    from kvtier.bench.run import BenchSettings
+    from kvtier.bench.settings import BenchSettings
     from kvtier.bench.services import KNOWN_TIERS
     from kvtier.bench.workloads import WORKLOADS
 

@@ -22,6 +22,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.engine import Engine, copy_engine, kv_caches
+from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, rclone_binary
+from kvtier.bench.settings import BenchSettings, bench_config
+from kvtier.bench.workloads import WorkloadSize, build_workload, chain_keys
+from kvtier.facade import KVTier
+from kvtier.keys import OffloadKey
+from kvtier.tiers.p2p import PeerTier
+
 __all__ = ["BUCKET", "LocalTiers", "local_tiers", "serve_peer"]
 
 BUCKET = "kvtier-bench"
@@ -43,7 +51,7 @@ class LocalTiers:
 
 @contextlib.asynccontextmanager
 async def local_tiers(
-    names: tuple[str, ...], settings: Any, root: Path
+    names: tuple[str, ...], settings: BenchSettings, root: Path
 ) -> AsyncIterator[LocalTiers]:
     """Start what ``names`` need; stop it all on exit."""
     result = LocalTiers()
@@ -66,8 +74,6 @@ async def local_tiers(
 
 @contextlib.asynccontextmanager
 async def _s3_server(root: Path) -> AsyncIterator[dict[str, Any]]:
-    from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, rclone_binary
-
     if rclone_binary() is None:
         raise ValueError(
             "--tiers s3 runs a local S3 server with rclone, which is not installed: "
@@ -92,7 +98,7 @@ async def _s3_server(root: Path) -> AsyncIterator[dict[str, Any]]:
 
 
 @contextlib.asynccontextmanager
-async def _peer(settings: Any) -> AsyncIterator[tuple[dict[str, Any], int]]:
+async def _peer(settings: BenchSettings) -> AsyncIterator[tuple[dict[str, Any], int]]:
     secret = secrets.token_hex(24)
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()
@@ -125,7 +131,7 @@ async def _peer(settings: Any) -> AsyncIterator[tuple[dict[str, Any], int]]:
         ours.close()
 
 
-def serve_peer(settings: Any, secret: str, conn: Connection) -> None:
+def serve_peer(settings: BenchSettings, secret: str, conn: Connection) -> None:
     """The peer process: store the workload's latest chunks, serve them until told to stop."""
     try:
         asyncio.run(_serve_peer(settings, secret, conn))
@@ -135,13 +141,7 @@ def serve_peer(settings: Any, secret: str, conn: Connection) -> None:
         raise SystemExit(1) from None
 
 
-async def _serve_peer(settings: Any, secret: str, conn: Connection) -> None:
-    from kvtier.bench.run import Engine, bench_config, copy_engine, kv_caches
-    from kvtier.bench.workloads import WorkloadSize, build_workload, chain_keys
-    from kvtier.facade import KVTier
-    from kvtier.keys import OffloadKey
-    from kvtier.tiers.p2p import PeerTier
-
+async def _serve_peer(settings: BenchSettings, secret: str, conn: Connection) -> None:
     workload = build_workload(
         settings.workload,
         WorkloadSize(settings.working_set_chunks, settings.max_prompt_chunks, settings.seed),
