@@ -14,8 +14,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.bench.probe import percentile
+from kvtier.bench.registry import MEMCPY_KEY, BenchTierRegistry
 from kvtier.bench.replay import Replay, TimelinePoint
 from kvtier.bench.settings import BenchSettings
+from kvtier.bench.tiers import BENCH_TIERS
 from kvtier.bench.workloads import Workload
 from kvtier.metrics import Names
 
@@ -25,15 +27,6 @@ GB = 1e9
 MIB = 1 << 20
 #: The primary tier's label; the secondary tiers' are "<position>:<name>".
 PRIMARY = "0:primary"
-#: Rows of the physical-limits table: label, key in "physical", key in "ratios".
-_LIMITS = (
-    ("memcpy", "memcpy_gbps", None),
-    ("disk write (raw pwritev)", "disk_write_gbps", "fs_write"),
-    ("disk read (raw preadv)", "disk_read_gbps", "fs_read"),
-    ("S3 PUT (plain client)", "s3_put_gbps", "s3_write"),
-    ("S3 GET (plain client)", "s3_get_gbps", "s3_read"),
-    ("loopback TCP", "tcp_loopback_gbps", "p2p_read"),
-)
 
 
 def build_report(
@@ -179,8 +172,10 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def print_report(report: dict[str, Any], console: Console) -> None:
-    """The tables of one run."""
+def print_report(
+    report: dict[str, Any], console: Console, bench_tiers: BenchTierRegistry = BENCH_TIERS
+) -> None:
+    """The tables of one run; ``bench_tiers`` give the rows of the limits table."""
     settings = report["settings"]
     requests = report["requests"]
     console.print(
@@ -243,9 +238,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     limits = Table(title="physical limits measured in this run", title_justify="left")
     for column in ("", "GB/s", "kvtier / limit"):
         limits.add_column(column, justify="right" if column else "left")
-    for label, limit, ratio in _LIMITS:
-        if limit in physical:
-            limits.add_row(label, _num(physical[limit]), _num(ratios.get(ratio)) if ratio else "")
+    if MEMCPY_KEY in physical:
+        limits.add_row("memcpy", _num(physical[MEMCPY_KEY]), "")
+    for limit in bench_tiers.limits():
+        if limit.key in physical:
+            limits.add_row(limit.label, _num(physical[limit.key]), _num(ratios.get(limit.ratio)))
     console.print(limits)
     if requests["wrong_chunks"]:
         console.print(

@@ -1,4 +1,12 @@
-"""Replay a workload through the whole stack and report against the hardware."""
+"""One bench run: start its tiers, replay the workload, report against the hardware.
+
+The steps, each in its own module: the tiers named by ``--tiers`` are started from
+their :mod:`bench tier entries <kvtier.bench.registry>`, the simulated
+:mod:`engine <kvtier.bench.engine>` is opened on them, the workload is
+:mod:`replayed <kvtier.bench.replay>`, the :mod:`report <kvtier.bench.report>` is
+built, and each tier's :mod:`physical limit <kvtier.bench.limits>` is measured last,
+on the same disk, server or network, once the engine is closed.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +14,29 @@ import asyncio
 import contextlib
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from kvtier.bench.engine import Engine, copy_engine, device, kv_caches
-from kvtier.bench.physical import measure_disk, measure_loopback, measure_memcpy, measure_s3
+from kvtier.bench.limits import measure_limits
+from kvtier.bench.registry import BenchTierRegistry, LocalTier, TierTraffic
 from kvtier.bench.replay import Progress, replay
 from kvtier.bench.report import PRIMARY, build_report
-from kvtier.bench.services import local_tiers
-from kvtier.bench.settings import MIB, BenchSettings, bench_config
+from kvtier.bench.settings import BenchSettings, bench_config
+from kvtier.bench.tiers import BENCH_TIERS
 from kvtier.bench.workloads import WorkloadSize, build_workload
 from kvtier.facade import KVTier
-from kvtier.tiers._format import HEADER_BYTES
-from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers import SecondaryTier
 
 __all__ = ["run_bench"]
 
-# How long the engine waits to hear of a spawned p2p peer's chunks before it starts.
-_PEER_INDEX_TIMEOUT_S = 60.0
+# How long the engine waits for its tiers to be ready (a p2p tier to hear of a spawned
+# peer's chunks) before it starts anyway.
+_READY_TIMEOUT_S = 60.0
+_READY_POLL_S = 0.05
 
 
 async def run_bench(
@@ -34,43 +44,75 @@ async def run_bench(
     *,
     progress: Progress | None = None,
     registry: CollectorRegistry | None = None,
+    tiers: BenchTierRegistry = BENCH_TIERS,
 ) -> dict[str, Any]:
-    """Run ``settings.workload`` and return the report (see ``kvtier bench --json``)."""
+    """Run ``settings.workload`` and return the report (see ``kvtier bench --json``).
+
+    ``tiers`` are the bench tiers ``settings.tiers`` names; ``registry`` receives the
+    engine's metrics.
+    """
     workload = build_workload(
         settings.workload,
         WorkloadSize(settings.working_set_chunks, settings.max_prompt_chunks, settings.seed),
     )
-    registry = registry if registry is not None else CollectorRegistry()
+    metrics = registry if registry is not None else CollectorRegistry()
     # A secondary_tiers list of the user's own replaces what --tiers would start.
     names = () if "secondary_tiers" in settings.extra_config else settings.tiers
     with _workspace(settings.root_dir) as root:
-        async with local_tiers(names, settings, root) as local:
-            config = bench_config(settings, local.tiers)
+        async with _start_tiers(names, settings, root, tiers) as local:
+            config = bench_config(settings, [tier.config for tier in local])
             gpu_blocks = settings.max_prompt_chunks * (settings.concurrency + 1)
             caches = kv_caches(settings, gpu_blocks)
-            async with KVTier(config, caches, registry, engine=copy_engine()) as kv:
-                await _hear_of_peer_chunks(kv, local.peer_chunks)
+            async with KVTier(config, caches, metrics, engine=copy_engine()) as kv:
+                await _until_ready(local, kv.manager.tiers)
                 engine = Engine(kv, caches, gpu_blocks, settings.lookup_timeout_s)
                 run = await replay(kv, engine, workload, settings, progress)
                 labels = [PRIMARY, *kv.manager.tier_labels]
-                stats = kv.manager.tier_stats()
-                tiers = dict(zip(kv.manager.tier_labels, kv.manager.tiers, strict=True))
-            report = build_report(settings, workload, run, stats, labels, registry, device())
+                counts = kv.manager.tier_stats()
+                built = dict(zip(kv.manager.tier_labels, kv.manager.tiers, strict=True))
+            report = build_report(settings, workload, run, counts, labels, metrics, device())
             report["duration_s"] = round(run.elapsed_s, 3)
-            report["physical"], report["ratios"] = await _physical(settings, root, report, tiers)
+            traffic = {entry["name"]: _traffic(entry) for entry in report["tiers"]}
+            report["physical"], report["ratios"] = await measure_limits(
+                {label: (tier, traffic[label]) for label, tier in built.items()},
+                tiers,
+                chunk_bytes=settings.chunk_bytes,
+                workspace=root,
+            )
     return report
 
 
-async def _hear_of_peer_chunks(kv: KVTier, chunks: int) -> None:
-    """Wait (a while) until the p2p tiers have heard of the spawned peer's chunks."""
-    from kvtier.tiers.p2p import PeerTier
+@contextlib.asynccontextmanager
+async def _start_tiers(
+    names: Sequence[str], settings: BenchSettings, root: Path, tiers: BenchTierRegistry
+) -> AsyncIterator[list[LocalTier]]:
+    """Start what the bench tiers ``names`` need, in order; stop it all on exit."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(tiers.get(name).start(settings, root)) for name in names
+        ]
 
-    peers = [tier for tier in kv.manager.tiers if isinstance(tier, PeerTier)]
-    deadline = time.monotonic() + _PEER_INDEX_TIMEOUT_S
-    while peers and sum(t.indexed_keys for t in peers) < chunks:
+
+async def _until_ready(local: Sequence[LocalTier], built: Sequence[SecondaryTier]) -> None:
+    """Wait (a while) until each started tier says the tier built from it is ready."""
+    if not local:
+        return  # the tiers came from --config: nothing of ours to wait for
+    waiting = [
+        (tier.ready, instance)
+        for tier, instance in zip(local, built, strict=True)
+        if tier.ready is not None
+    ]
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while not all(ready(instance) for ready, instance in waiting):
         if time.monotonic() > deadline:
-            return  # the run shows what the peer's index held: fewer p2p hits
-        await asyncio.sleep(0.05)
+            return  # the run shows what the tier knew by then: fewer hits there
+        await asyncio.sleep(_READY_POLL_S)
+
+
+def _traffic(entry: dict[str, Any]) -> TierTraffic:
+    return TierTraffic(
+        entry["bytes_written"], entry["bytes_read"], entry["write_gbps"], entry["read_gbps"]
+    )
 
 
 @contextlib.contextmanager
@@ -81,69 +123,3 @@ def _workspace(root_dir: Path | None) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as directory:
         yield Path(directory)
-
-
-async def _physical(
-    settings: BenchSettings,
-    root: Path,
-    report: dict[str, Any],
-    tiers: Mapping[str, SecondaryTier],
-) -> tuple[dict[str, float], dict[str, float | None]]:
-    """The limits each tier of the run is held against, measured now, and the ratios.
-
-    Each is measured with as many chunks as the tier moved (16 at least, 1 GiB at the
-    most; 512 MiB for S3), so the same bytes meet the same hardware. Ratios are None
-    where the run moved nothing that way (no-reuse never reads back).
-    """
-    from kvtier.tiers.fs import FileSystemTier
-    from kvtier.tiers.p2p import PeerTier
-    from kvtier.tiers.s3 import S3Tier
-
-    chunk = settings.chunk_bytes
-    physical = {"memcpy_gbps": round(await asyncio.to_thread(measure_memcpy), 3)}
-    ratios: dict[str, float | None] = {}
-    entries = {entry["name"]: entry for entry in report["tiers"]}
-
-    def chunks(moved: int, cap: int) -> int:
-        return int(max(16, min(moved // chunk, cap // chunk)))
-
-    for label, tier in tiers.items():
-        entry = entries[label]
-        moved = max(entry["bytes_written"], entry["bytes_read"])
-        if isinstance(tier, FileSystemTier) and "fs_write" not in ratios:
-            disk = await asyncio.to_thread(
-                measure_disk,
-                root / "physical",
-                chunks(entry["bytes_written"], 1 << 30),
-                chunk,
-                direct=tier.o_direct,
-            )
-            physical["disk_write_gbps"] = round(disk.write_gbps, 3)
-            physical["disk_read_gbps"] = round(disk.read_gbps, 3)
-            ratios["fs_write"] = _ratio(entry["write_gbps"], disk.write_gbps)
-            ratios["fs_read"] = _ratio(entry["read_gbps"], disk.read_gbps)
-        elif isinstance(tier, S3Tier) and "s3_write" not in ratios:
-            async with tier.open_client() as client:
-                s3 = await measure_s3(
-                    client,
-                    tier.bucket,
-                    f"{tier.prefix}/kvtier-physical".lstrip("/"),
-                    chunks(moved, 512 * MIB),
-                    HEADER_BYTES + chunk,
-                    tier.max_concurrency,
-                )
-            physical["s3_put_gbps"] = round(s3.write_gbps, 3)
-            physical["s3_get_gbps"] = round(s3.read_gbps, 3)
-            ratios["s3_write"] = _ratio(entry["write_gbps"], s3.write_gbps)
-            ratios["s3_read"] = _ratio(entry["read_gbps"], s3.read_gbps)
-        elif isinstance(tier, PeerTier) and "p2p_read" not in ratios:
-            tcp = await asyncio.to_thread(
-                measure_loopback, chunks(entry["bytes_read"], 1 << 30), chunk
-            )
-            physical["tcp_loopback_gbps"] = round(tcp, 3)
-            ratios["p2p_read"] = _ratio(entry["read_gbps"], tcp)
-    return physical, ratios
-
-
-def _ratio(measured: float | None, limit: float) -> float | None:
-    return round(measured / limit, 3) if measured and limit else None
