@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvtier import __version__
 from kvtier.config import ChunkGeometry, OffloadingConfig
 from kvtier.errors import KVTierError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvtier.bench import BenchSettings
 
 __all__ = ["main"]
 
@@ -252,10 +258,17 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 async def _run_workloads(
-    settings: Any, names: list[str], args: argparse.Namespace, console: Any
+    settings: BenchSettings, names: list[str], args: argparse.Namespace, console: Console
 ) -> list[dict[str, Any]]:
     from prometheus_client import CollectorRegistry, start_http_server
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskID,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from kvtier.bench import run_bench
 
@@ -267,7 +280,7 @@ async def _run_workloads(
     reports = []
     try:
         for name in names:
-            run_settings = type(settings)(**{**asdict(settings), "workload": name})
+            run_settings = dataclasses.replace(settings, workload=name)
             with Progress(
                 TextColumn(f"[bold]{name}"),
                 BarColumn(),
@@ -281,7 +294,7 @@ async def _run_workloads(
                 task = bar.add_task(name, total=None, hit="-")
 
                 def advance(
-                    done: int, total: int, hits: int, _task: Any = task, _bar: Any = bar
+                    done: int, total: int, hits: int, _task: TaskID = task, _bar: Progress = bar
                 ) -> None:
                     _bar.update(_task, completed=done, total=total, hit=f"{hits} chunks")
 
