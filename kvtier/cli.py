@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvtier import __version__
 from kvtier.config import ChunkGeometry, OffloadingConfig
 from kvtier.errors import KVTierError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvtier.bench import BenchSettings
 
 __all__ = ["main"]
 
@@ -54,8 +60,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _spoken_list(words: Sequence[str]) -> str:
+    """``a, b and c``."""
+    return " and ".join([", ".join(words[:-1]), words[-1]]) if len(words) > 1 else "".join(words)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    from kvtier.bench.workloads import WORKLOADS
+    from kvtier.bench import BENCH_TIERS, WORKLOADS
 
     parser = _Parser(prog="kvtier", description="Multi-tier KV-cache offloading for LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
@@ -78,7 +89,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--tiers",
         default="fs",
-        help="comma-separated secondary tiers, in lookup order, from fs, s3 and p2p "
+        help="comma-separated secondary tiers, in lookup order, from "
+        f"{_spoken_list(BENCH_TIERS.names())} "
         "(default: fs); s3 starts a local S3 server, p2p a peer engine on loopback",
     )
     bench.add_argument(
@@ -185,15 +197,14 @@ def _read_json_object(path: Path) -> dict[str, Any]:
 def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from kvtier.bench import BENCH_TIERS, WORKLOADS, BenchSettings
     from kvtier.bench.report import combine, plot, print_report
-    from kvtier.bench.run import BenchSettings
-    from kvtier.bench.services import KNOWN_TIERS
-    from kvtier.bench.workloads import WORKLOADS
 
+    known = BENCH_TIERS.names()
     tiers = tuple(name.strip() for name in args.tiers.split(",") if name.strip())
     for name in tiers:
-        if name not in KNOWN_TIERS:
-            _fail(f"--tiers: unknown tier {name!r}; expected some of {', '.join(KNOWN_TIERS)}")
+        if name not in known:
+            _fail(f"--tiers: unknown tier {name!r}; expected some of {', '.join(known)}")
         if tiers.count(name) > 1:
             _fail(f"--tiers: {name} is named twice")
     if not tiers:
@@ -247,12 +258,19 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 async def _run_workloads(
-    settings: Any, names: list[str], args: argparse.Namespace, console: Any
+    settings: BenchSettings, names: list[str], args: argparse.Namespace, console: Console
 ) -> list[dict[str, Any]]:
     from prometheus_client import CollectorRegistry, start_http_server
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskID,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
-    from kvtier.bench.run import run_bench
+    from kvtier.bench import run_bench
 
     registry = CollectorRegistry()
     server = None
@@ -262,7 +280,7 @@ async def _run_workloads(
     reports = []
     try:
         for name in names:
-            run_settings = type(settings)(**{**asdict(settings), "workload": name})
+            run_settings = dataclasses.replace(settings, workload=name)
             with Progress(
                 TextColumn(f"[bold]{name}"),
                 BarColumn(),
@@ -276,7 +294,7 @@ async def _run_workloads(
                 task = bar.add_task(name, total=None, hit="-")
 
                 def advance(
-                    done: int, total: int, hits: int, _task: Any = task, _bar: Any = bar
+                    done: int, total: int, hits: int, _task: TaskID = task, _bar: Progress = bar
                 ) -> None:
                     _bar.update(_task, completed=done, total=total, hit=f"{hits} chunks")
 

@@ -1,36 +1,181 @@
-"""Showing a bench report: tables for people, JSON for tools, a plot on request."""
+"""A bench report: built from a replay as JSON for tools, shown as tables for people,
+combined over several runs, plotted on request."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["combine", "plot", "print_report"]
+from kvtier.bench.probe import percentile
+from kvtier.bench.registry import MEMCPY_KEY, BenchTierRegistry
+from kvtier.bench.replay import Replay, TimelinePoint
+from kvtier.bench.settings import BenchSettings
+from kvtier.bench.tiers import BENCH_TIERS
+from kvtier.bench.workloads import Workload
+from kvtier.metrics import Names
+
+__all__ = ["PRIMARY", "build_report", "combine", "plot", "print_report"]
 
 GB = 1e9
 MIB = 1 << 20
-#: Rows of the physical-limits table: label, key in "physical", key in "ratios".
-_LIMITS = (
-    ("memcpy", "memcpy_gbps", None),
-    ("disk write (raw pwritev)", "disk_write_gbps", "fs_write"),
-    ("disk read (raw preadv)", "disk_read_gbps", "fs_read"),
-    ("S3 PUT (plain client)", "s3_put_gbps", "s3_write"),
-    ("S3 GET (plain client)", "s3_get_gbps", "s3_read"),
-    ("loopback TCP", "tcp_loopback_gbps", "p2p_read"),
-)
+#: The primary tier's label; the secondary tiers' are "<position>:<name>".
+PRIMARY = "0:primary"
+
+
+def build_report(
+    settings: BenchSettings,
+    workload: Workload,
+    run: Replay,
+    counts: Mapping[str, Mapping[str, float]],
+    labels: Sequence[str],
+    metrics: CollectorRegistry,
+    device: str,
+) -> dict[str, Any]:
+    """The report of one replay (see ``kvtier bench --json``), before its limits.
+
+    ``counts`` are the manager's cumulative counts by tier label, ``labels`` the tiers
+    in lookup order (the primary tier first), ``metrics`` the run's Prometheus registry.
+    """
+    requests = run.requests
+    return {
+        "workload": workload.name,
+        "description": workload.description,
+        "settings": {
+            "chunk_bytes": settings.chunk_bytes,
+            "primary_bytes": settings.primary_bytes,
+            "working_set_bytes": workload.unique_chunks * settings.chunk_bytes,
+            "concurrency": settings.concurrency,
+            "tiers": [label.split(":", 1)[1] for label in labels[1:]],
+            "device": device,
+        },
+        "requests": {
+            "count": requests.requests,
+            "chunks": requests.chunks,
+            "chunk_hit_rate": requests.hits / requests.chunks if requests.chunks else 0.0,
+            "wrong_chunks": requests.wrong_chunks,
+            "lookup_ms": _percentiles(requests.lookup_s),
+            "load_ms": _percentiles(requests.load_s),
+            "store_ms": _percentiles(requests.store_s),
+        },
+        "tiers": [
+            _tier_entry(label, counts.get(label, {}), settings, run, metrics) for label in labels
+        ],
+        "loop_lag_ms": _percentiles(run.loop_lags),
+        "timeline": run.timeline,
+    }
+
+
+def _tier_entry(
+    label: str,
+    counts: Mapping[str, float],
+    settings: BenchSettings,
+    run: Replay,
+    metrics: CollectorRegistry,
+) -> dict[str, Any]:
+    queries, hits = counts.get("queries", 0.0), counts.get("hits", 0.0)
+    written: float
+    read: float
+    write_gbps: float | None
+    read_gbps: float | None
+    promotion: tuple[float | None, ...]
+    if label == PRIMARY:
+        # The primary tier's bytes are the engine's: what it stored and loaded.
+        written = run.requests.stored * settings.chunk_bytes
+        read = run.requests.hits * settings.chunk_bytes
+        write_gbps = read_gbps = None
+        promotion = (None, None)
+    else:
+        written, read = counts.get("bytes_written", 0.0), counts.get("bytes_read", 0.0)
+        write_gbps = _active_gbps(run.timeline, label, "bytes_written")
+        read_gbps = _active_gbps(run.timeline, label, "bytes_read")
+        promotion = tuple(
+            _histogram_quantile(metrics, Names.PROMOTION_LATENCY, {"tier": label}, q)
+            for q in (0.5, 0.99)
+        )
+    return {
+        "name": label,
+        "queries": int(queries),
+        "hits": int(hits),
+        "hit_rate": hits / queries if queries else 0.0,
+        "bytes_written": int(written),
+        "bytes_read": int(read),
+        "write_gbps": write_gbps,
+        "read_gbps": read_gbps,
+        "promotion_ms": {"p50": _ms(promotion[0]), "p99": _ms(promotion[1])},
+        "stores_dropped": int(counts.get("stores_dropped", 0.0)),
+        "integrity_failures": int(counts.get("integrity_failures", 0.0)),
+    }
+
+
+def _active_gbps(
+    timeline: Sequence[TimelinePoint],
+    label: str,
+    field_name: Literal["bytes_written", "bytes_read"],
+) -> float:
+    """Bytes over the time the counter was rising (first to last increase)."""
+    points = [
+        (p["t"], p["tiers"][label][field_name] if label in p["tiers"] else 0.0) for p in timeline
+    ]
+    rising = [i for i in range(1, len(points)) if points[i][1] > points[i - 1][1]]
+    if not rising:
+        return 0.0
+    start, end = points[rising[0] - 1][0], points[rising[-1]][0]
+    moved = points[rising[-1]][1] - points[rising[0] - 1][1]
+    return moved / max(end - start, 1e-9) / 1e9
+
+
+def _histogram_quantile(
+    metrics: CollectorRegistry, name: str, labels: Mapping[str, str], q: float
+) -> float | None:
+    """Upper bound of the bucket holding quantile ``q`` of a Prometheus histogram."""
+    buckets: list[tuple[float, float]] = []
+    for metric in metrics.collect():
+        for sample in metric.samples:
+            if sample.name != f"{name}_bucket":
+                continue
+            if any(sample.labels.get(k) != v for k, v in labels.items()):
+                continue
+            buckets.append((float(sample.labels["le"]), sample.value))
+    if not buckets:
+        return None
+    buckets.sort()
+    total = buckets[-1][1]
+    if total == 0:
+        return None
+    for bound, count in buckets:
+        if count >= q * total:
+            return bound
+    return math.inf
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    return {
+        "p50": round(percentile(values, 0.5) * 1e3, 3),
+        "p99": round(percentile(values, 0.99) * 1e3, 3),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    if seconds is None or math.isinf(seconds):
+        return None
+    return round(seconds * 1e3, 3)
 
 
 def _num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def print_report(report: dict[str, Any], console: Console) -> None:
-    """The tables of one run."""
+def print_report(
+    report: dict[str, Any], console: Console, bench_tiers: BenchTierRegistry = BENCH_TIERS
+) -> None:
+    """The tables of one run; ``bench_tiers`` give the rows of the limits table."""
     settings = report["settings"]
     requests = report["requests"]
     console.print(
@@ -93,9 +238,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     limits = Table(title="physical limits measured in this run", title_justify="left")
     for column in ("", "GB/s", "kvtier / limit"):
         limits.add_column(column, justify="right" if column else "left")
-    for label, limit, ratio in _LIMITS:
-        if limit in physical:
-            limits.add_row(label, _num(physical[limit]), _num(ratios.get(ratio)) if ratio else "")
+    if MEMCPY_KEY in physical:
+        limits.add_row("memcpy", _num(physical[MEMCPY_KEY]), "")
+    for limit in bench_tiers.limits():
+        if limit.key in physical:
+            limits.add_row(limit.label, _num(physical[limit.key]), _num(ratios.get(limit.ratio)))
     console.print(limits)
     if requests["wrong_chunks"]:
         console.print(

@@ -1,9 +1,9 @@
-"""What ``kvtier bench`` starts for the tiers it names: an S3 server, a p2p peer.
+"""Services a bench run starts for its tiers: a local S3 server, a p2p peer engine.
 
-``--tiers s3`` runs ``rclone serve s3`` on loopback over a directory of the bench's
-workspace. ``--tiers p2p`` spawns a second engine: a process with its own primary
-tier and a p2p tier listening on loopback, which first "computes" and stores the
-workload's most recent chunks, as a neighbour that served the same users earlier
+``local_s3_server`` runs ``rclone serve s3`` on loopback over a directory of the
+bench's workspace. ``peer_engine`` spawns a second engine: a process with its own
+primary tier and a p2p tier listening on loopback, which first "computes" and stores
+the workload's most recent chunks, as a neighbour that served the same users earlier
 would hold them. The engine under test then reads from it what it lacks.
 
 A ``secondary_tiers`` list in ``--config`` replaces all this: the tiers are then
@@ -20,54 +20,53 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
-__all__ = ["BUCKET", "LocalTiers", "local_tiers", "serve_peer"]
+from kvtier.bench.engine import Engine, copy_engine, kv_caches
+from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, rclone_binary
+from kvtier.bench.settings import BenchSettings, bench_config
+from kvtier.bench.workloads import WorkloadSize, build_workload, chain_keys
+from kvtier.facade import KVTier
+from kvtier.keys import OffloadKey
+from kvtier.tiers.p2p import PeerTier
+
+__all__ = ["BUCKET", "LocalS3", "PeerEngine", "local_s3_server", "peer_engine", "serve_peer"]
 
 BUCKET = "kvtier-bench"
-KNOWN_TIERS = ("fs", "s3", "p2p")
 # Starting a Python process that imports torch, then storing up to the whole primary
 # tier through it: seconds on a quiet machine, much more on a loaded one.
 PEER_START_TIMEOUT_S = 300.0
 PEER_STOP_TIMEOUT_S = 30.0
 
 
-@dataclass
-class LocalTiers:
-    """The secondary tier configurations, and what the started services hold."""
+@dataclass(frozen=True)
+class LocalS3:
+    """An S3 server on loopback, with a bucket for the run."""
 
-    tiers: list[dict[str, Any]] = field(default_factory=list)
-    #: Chunks the spawned p2p peer holds (the engine waits until it has heard of them).
-    peer_chunks: int = 0
+    endpoint: str
+    bucket: str
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
 
 
-@contextlib.asynccontextmanager
-async def local_tiers(
-    names: tuple[str, ...], settings: Any, root: Path
-) -> AsyncIterator[LocalTiers]:
-    """Start what ``names`` need; stop it all on exit."""
-    result = LocalTiers()
-    async with contextlib.AsyncExitStack() as stack:
-        for name in names:
-            if name == "fs":
-                result.tiers.append({"type": "fs", "root_dir": str(root / "fs"), "shared": False})
-            elif name == "s3":
-                result.tiers.append(await stack.enter_async_context(_s3_server(root)))
-            elif name == "p2p":
-                tier, chunks = await stack.enter_async_context(_peer(settings))
-                result.tiers.append(tier)
-                result.peer_chunks += chunks
-            else:
-                raise ValueError(
-                    f"unknown tier {name!r} for --tiers; expected some of {', '.join(KNOWN_TIERS)}"
-                )
-        yield result
+@dataclass(frozen=True)
+class PeerEngine:
+    """A peer engine in another process, serving its primary tier over p2p."""
+
+    #: ``host:port`` its p2p tier listens on.
+    address: str
+    #: The shared secret its connections authenticate with.
+    secret: str = field(repr=False)
+    #: Chunks it holds (the engine under test waits until it has heard of them).
+    chunks: int = 0
 
 
 @contextlib.asynccontextmanager
-async def _s3_server(root: Path) -> AsyncIterator[dict[str, Any]]:
-    from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, rclone_binary
+async def local_s3_server(root: Path) -> AsyncIterator[LocalS3]:
+    """``rclone serve s3`` over ``root / "s3"`` while the context lasts.
 
+    Raises:
+        ValueError: rclone is not installed.
+    """
     if rclone_binary() is None:
         raise ValueError(
             "--tiers s3 runs a local S3 server with rclone, which is not installed: "
@@ -79,20 +78,18 @@ async def _s3_server(root: Path) -> AsyncIterator[dict[str, Any]]:
     server = RcloneS3Server(data, log=root / "rclone.log")
     await asyncio.to_thread(server.start)
     try:
-        yield {
-            "type": "s3",
-            "bucket": BUCKET,
-            "endpoint_url": server.endpoint,
-            "access_key_id": ACCESS_KEY,
-            "secret_access_key": SECRET_KEY,
-            "prefix": "bench",
-        }
+        yield LocalS3(server.endpoint, BUCKET, ACCESS_KEY, SECRET_KEY)
     finally:
         await asyncio.to_thread(server.stop)
 
 
 @contextlib.asynccontextmanager
-async def _peer(settings: Any) -> AsyncIterator[tuple[dict[str, Any], int]]:
+async def peer_engine(settings: BenchSettings) -> AsyncIterator[PeerEngine]:
+    """A peer engine holding ``settings.workload``'s latest chunks, while the context lasts.
+
+    Raises:
+        ValueError: the peer failed, or did not get ready in time.
+    """
     secret = secrets.token_hex(24)
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()
@@ -113,8 +110,7 @@ async def _peer(settings: Any) -> AsyncIterator[tuple[dict[str, Any], int]]:
         if message[0] != "ready":
             raise ValueError(f"the p2p peer failed: {message[1]}")
         _, address, chunks = message
-        tier = {"type": "p2p", "listen": "127.0.0.1:0", "peers": [address], "secret": secret}
-        yield tier, chunks
+        yield PeerEngine(address, secret, chunks)
     finally:
         with contextlib.suppress(OSError):
             ours.send("stop")
@@ -125,7 +121,7 @@ async def _peer(settings: Any) -> AsyncIterator[tuple[dict[str, Any], int]]:
         ours.close()
 
 
-def serve_peer(settings: Any, secret: str, conn: Connection) -> None:
+def serve_peer(settings: BenchSettings, secret: str, conn: Connection) -> None:
     """The peer process: store the workload's latest chunks, serve them until told to stop."""
     try:
         asyncio.run(_serve_peer(settings, secret, conn))
@@ -135,13 +131,7 @@ def serve_peer(settings: Any, secret: str, conn: Connection) -> None:
         raise SystemExit(1) from None
 
 
-async def _serve_peer(settings: Any, secret: str, conn: Connection) -> None:
-    from kvtier.bench.run import Engine, bench_config, copy_engine, kv_caches
-    from kvtier.bench.workloads import WorkloadSize, build_workload, chain_keys
-    from kvtier.facade import KVTier
-    from kvtier.keys import OffloadKey
-    from kvtier.tiers.p2p import PeerTier
-
+async def _serve_peer(settings: BenchSettings, secret: str, conn: Connection) -> None:
     workload = build_workload(
         settings.workload,
         WorkloadSize(settings.working_set_chunks, settings.max_prompt_chunks, settings.seed),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.report import plot
-from kvtier.bench.workloads import WORKLOADS, WorkloadSize, build_workload, chain_keys
+from kvtier.bench.workloads import WORKLOADS
 from kvtier.cli import main
 
 SMALL = [
@@ -185,12 +185,3 @@ def test_inspect_lists_and_verifies_an_fs_root(tmp_path, capsys):
     assert main(["inspect", str(root / "fs"), "--verify"]) == 1
     out = capsys.readouterr().out
     assert "payload checksum mismatch" in out and "1 bad" in out
-
-
-def test_workloads_share_keys_exactly_as_long_as_prompts_share_blocks():
-    assert chain_keys([1, 2, 3])[:2] == chain_keys([1, 2, 9])[:2]
-    assert chain_keys([1, 2, 3])[2] != chain_keys([1, 2, 9])[2]
-    assert chain_keys([2, 1])[1] != chain_keys([1, 2])[1]
-    for name in WORKLOADS:
-        workload = build_workload(name, WorkloadSize(working_set=256, max_prompt=16))
-        assert 128 <= workload.unique_chunks <= 512, name

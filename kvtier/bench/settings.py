@@ -1,0 +1,57 @@
+"""What one bench run is asked to do, and the engine configuration it gives."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import OffloadingConfig
+
+__all__ = ["MIB", "BenchSettings", "bench_config"]
+
+MIB = 1 << 20
+
+
+@dataclass
+class BenchSettings:
+    workload: str = "multi-round-qa"
+    #: Registered bench tier names (``--tiers``), in lookup order.
+    tiers: tuple[str, ...] = ("fs",)
+    #: Extra ``extra_config`` keys (``--config FILE``), applied over the defaults.
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    chunk_bytes: int = 1 * MIB
+    primary_bytes: int = 512 * MIB
+    working_set_bytes: int = 2048 * MIB
+    max_prompt_chunks: int = 64
+    concurrency: int = 8
+    duration_s: float = 120.0
+    lookup_timeout_s: float = 5.0
+    root_dir: Path | None = None
+    seed: int = 0
+
+    @property
+    def working_set_chunks(self) -> int:
+        return max(1, self.working_set_bytes // self.chunk_bytes)
+
+
+def bench_config(
+    settings: BenchSettings, tiers: list[dict[str, Any]], *, role: str = "bench"
+) -> OffloadingConfig:
+    """The engine's configuration: ``tiers`` as its secondary tiers, then ``--config``."""
+    extra: dict[str, Any] = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": settings.primary_bytes,
+        "secondary_tiers": tiers,
+    }
+    extra.update(settings.extra_config)
+    return OffloadingConfig(
+        engine_id=f"{role}-{uuid.uuid4().hex[:10]}",
+        kv_bytes_per_block=settings.chunk_bytes,
+        tokens_per_block=16,
+        model_name="kvtier-bench",
+        kv_dtype="int64",
+        extra_config=extra,
+    )

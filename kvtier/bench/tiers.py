@@ -1,0 +1,153 @@
+"""The tiers ``kvtier bench`` knows: fs, s3 and p2p, in :data:`BENCH_TIERS`.
+
+Each is held against the plain version of its own I/O, measured in the same run with
+as many chunks as the tier moved: fs against raw ``pwritev``/``preadv`` of one-chunk
+files (1 GiB at most), s3 against PUT/GET of the same objects by a plain client on the
+same server (512 MiB at most: local S3 servers are slow), p2p against chunks sent over
+loopback TCP (1 GiB at most). Another tier type joins by registering its own
+:class:`~kvtier.bench.registry.BenchTier` here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TypeVar
+
+from kvtier.bench.physical import measure_disk, measure_loopback, measure_s3
+from kvtier.bench.registry import (
+    BenchTier,
+    BenchTierRegistry,
+    Direction,
+    Limit,
+    LimitContext,
+    LocalTier,
+)
+from kvtier.bench.services import local_s3_server, peer_engine
+from kvtier.bench.settings import MIB, BenchSettings
+from kvtier.tiers import SecondaryTier
+from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers.fs import FileSystemTier
+from kvtier.tiers.p2p import PeerTier
+from kvtier.tiers.s3 import S3Tier
+
+__all__ = ["BENCH_TIERS", "FS", "P2P", "S3"]
+
+_T = TypeVar("_T", bound=SecondaryTier)
+
+
+def _as(tier: SecondaryTier, tier_class: type[_T]) -> _T:
+    # The registry hands an entry only tiers of its tier_class.
+    if not isinstance(tier, tier_class):
+        raise TypeError(f"expected a {tier_class.__name__}, got {type(tier).__name__}")
+    return tier
+
+
+@contextlib.asynccontextmanager
+async def _fs_directory(settings: BenchSettings, workspace: Path) -> AsyncIterator[LocalTier]:
+    yield LocalTier({"type": "fs", "root_dir": str(workspace / "fs"), "shared": False})
+
+
+async def _raw_disk(tier: SecondaryTier, run: LimitContext) -> dict[Direction, float]:
+    fs = _as(tier, FileSystemTier)
+    disk = await asyncio.to_thread(
+        measure_disk,
+        run.workspace / "physical",
+        run.chunks(run.traffic.bytes_written, 1 << 30),
+        run.chunk_bytes,
+        direct=fs.o_direct,
+    )
+    return {Direction.WRITE: disk.write_gbps, Direction.READ: disk.read_gbps}
+
+
+FS = BenchTier(
+    "fs",
+    FileSystemTier,
+    _fs_directory,
+    _raw_disk,
+    (
+        Limit(Direction.WRITE, "disk write (raw pwritev)", "disk_write_gbps", "fs_write"),
+        Limit(Direction.READ, "disk read (raw preadv)", "disk_read_gbps", "fs_read"),
+    ),
+)
+
+
+@contextlib.asynccontextmanager
+async def _s3_server(settings: BenchSettings, workspace: Path) -> AsyncIterator[LocalTier]:
+    async with local_s3_server(workspace) as server:
+        yield LocalTier(
+            {
+                "type": "s3",
+                "bucket": server.bucket,
+                "endpoint_url": server.endpoint,
+                "access_key_id": server.access_key_id,
+                "secret_access_key": server.secret_access_key,
+                "prefix": "bench",
+            }
+        )
+
+
+async def _plain_s3_client(tier: SecondaryTier, run: LimitContext) -> dict[Direction, float]:
+    s3 = _as(tier, S3Tier)
+    moved = max(run.traffic.bytes_written, run.traffic.bytes_read)
+    async with s3.open_client() as client:
+        limits = await measure_s3(
+            client,
+            s3.bucket,
+            f"{s3.prefix}/kvtier-physical".lstrip("/"),
+            run.chunks(moved, 512 * MIB),
+            HEADER_BYTES + run.chunk_bytes,
+            s3.max_concurrency,
+        )
+    return {Direction.WRITE: limits.write_gbps, Direction.READ: limits.read_gbps}
+
+
+S3 = BenchTier(
+    "s3",
+    S3Tier,
+    _s3_server,
+    _plain_s3_client,
+    (
+        Limit(Direction.WRITE, "S3 PUT (plain client)", "s3_put_gbps", "s3_write"),
+        Limit(Direction.READ, "S3 GET (plain client)", "s3_get_gbps", "s3_read"),
+    ),
+)
+
+
+@contextlib.asynccontextmanager
+async def _peer(settings: BenchSettings, workspace: Path) -> AsyncIterator[LocalTier]:
+    async with peer_engine(settings) as peer:
+
+        def heard_of_peer_chunks(tier: SecondaryTier) -> bool:
+            return _as(tier, PeerTier).indexed_keys >= peer.chunks
+
+        yield LocalTier(
+            {
+                "type": "p2p",
+                "listen": "127.0.0.1:0",
+                "peers": [peer.address],
+                "secret": peer.secret,
+            },
+            ready=heard_of_peer_chunks,
+        )
+
+
+async def _loopback_tcp(tier: SecondaryTier, run: LimitContext) -> dict[Direction, float]:
+    gbps = await asyncio.to_thread(
+        measure_loopback, run.chunks(run.traffic.bytes_read, 1 << 30), run.chunk_bytes
+    )
+    return {Direction.READ: gbps}
+
+
+P2P = BenchTier(
+    "p2p",
+    PeerTier,
+    _peer,
+    _loopback_tcp,
+    (Limit(Direction.READ, "loopback TCP", "tcp_loopback_gbps", "p2p_read"),),
+)
+
+#: The tiers ``kvtier bench --tiers`` can name; register a plugin tier's entry here.
+BENCH_TIERS = BenchTierRegistry((FS, S3, P2P))
