@@ -24,7 +24,8 @@ from helpers import keys, tiering_config
 from kvtier import KVTier, OffloadingConfig, OffloadingSpecFactory
 from kvtier.metrics import Names
 from kvtier.tiers._format import ChunkFormat
-from kvtier.tiers._p2p_protocol import (
+from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
+from kvtier.tiers.p2p.protocol import (
     CHUNK_META,
     FRAME,
     PREAUTH_MAX_BODY,
@@ -39,7 +40,6 @@ from kvtier.tiers._p2p_protocol import (
     encode_key_list,
     parse_frame_header,
 )
-from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
 
 BLOCK = 16 * 1024  # bytes per GPU block and per chunk (one block per chunk)
 GPU_BLOCKS = 64

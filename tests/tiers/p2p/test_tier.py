@@ -38,8 +38,8 @@ from prometheus_client import generate_latest
 from kvtier import ConfigError, KVTier, OffloadingSpecFactory, ReqContext
 from kvtier.metrics import Names
 from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
-from kvtier.tiers._p2p_protocol import FRAME, Kind, Secret, encode_fetch, encode_hello
 from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
+from kvtier.tiers.p2p.protocol import FRAME, Kind, Secret, encode_fetch, encode_hello
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ while it sends a :class:`~kvtier.tiers._format.ChunkFormat` header (with the che
 taken when the chunk was stored) and the row, which the requester receives straight
 into the destination primary slot and verifies before it reports the key loaded.
 
-Connections (see :mod:`kvtier.tiers._p2p_protocol` for the wire format). Each node
+Connections (see :mod:`kvtier.tiers.p2p.protocol` for the wire format). Each node
 listens on ``listen`` and dials every entry of ``peers``. A connection has one purpose,
 set by who dialed it: the dialing node *reads* (it receives the other's announcements
 and pulls chunks), the accepting node *owns* (it announces and serves). Two nodes that
@@ -64,7 +64,8 @@ from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
 from kvtier.records import EventLog, Medium, OffloadingEvent
 from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
-from kvtier.tiers._p2p_protocol import (
+from kvtier.tiers.base import JobResult, PrimaryAccess, SecondaryTier, TierContext, TransferJob
+from kvtier.tiers.p2p.protocol import (
     CHUNK_META,
     FRAME,
     AuthError,
@@ -91,7 +92,6 @@ from kvtier.tiers._p2p_protocol import (
     send_frame,
     tune_socket,
 )
-from kvtier.tiers.base import JobResult, PrimaryAccess, SecondaryTier, TierContext, TransferJob
 
 __all__ = ["PeerTier"]
 
