@@ -58,6 +58,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from kvtier._secrets import Secret
 from kvtier.config import ConfigReader
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
@@ -65,32 +66,33 @@ from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
 from kvtier.records import EventLog, Medium, OffloadingEvent
 from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
 from kvtier.tiers.base import JobResult, PrimaryAccess, SecondaryTier, TierContext, TransferJob
-from kvtier.tiers.p2p.protocol import (
-    CHUNK_META,
-    FRAME,
+from kvtier.tiers.p2p.channel import Channel, Listener, Transport, format_address
+from kvtier.tiers.p2p.errors import (
     AuthError,
-    Channel,
-    Kind,
     LinkError,
     PeerClosed,
-    PlainChannel,
     ProtocolError,
     Reject,
     Rejected,
-    Secret,
     SelfConnection,
-    TlsChannel,
-    authenticate_owner,
-    authenticate_reader,
+)
+from kvtier.tiers.p2p.handshake import Credentials
+from kvtier.tiers.p2p.sockets import SocketTransport
+from kvtier.tiers.p2p.wire import (
+    CHUNK_META,
+    CONTROL_BATCH_BYTES,
+    FRAME,
+    MAX_FETCH_KEYS,
+    Kind,
     chunk_body_bytes,
     decode_fetch,
     decode_key_list,
     encode_fetch,
     encode_key_list,
+    fetch_batches,
     key_batches,
     parse_frame_header,
     send_frame,
-    tune_socket,
 )
 
 __all__ = ["PeerTier"]
@@ -123,10 +125,6 @@ MIN_SECRET_BYTES = 16
 # The default frame limit is one chunk frame plus this: room for every control frame,
 # which senders cut at CONTROL_BATCH_BYTES.
 _FRAME_SLACK = 64 * 1024
-# Announcements and fetch requests are cut into frames of at most this many bytes
-# (about 800 keys of 36 bytes), well within any peer's frame limit (>= 64 KiB).
-CONTROL_BATCH_BYTES = 32 * 1024
-MAX_FETCH_KEYS = 1024
 # A reader has one fetch in flight per promotion job (max_concurrent_jobs, 8 by
 # default); a backlog beyond this is a misbehaving peer.
 MAX_QUEUED_FETCHES = 1024
@@ -163,8 +161,11 @@ class PeerTier(SecondaryTier):
     medium = Medium.NETWORK
     locality = "remote"
 
-    def __init__(self, ctx: TierContext, **params: Any) -> None:
+    def __init__(
+        self, ctx: TierContext, *, transport: Transport | None = None, **params: Any
+    ) -> None:
         super().__init__(ctx)
+        self._transport = SocketTransport() if transport is None else transport
         settings = ctx.read(params)
         self._listen_host, self._listen_port = _parse_address(
             settings.string("listen", DEFAULT_LISTEN), settings.path_of("listen"), listen=True
@@ -182,7 +183,7 @@ class PeerTier(SecondaryTier):
             raise ConfigError(
                 settings.path_of("secret"), "exactly one of secret or secret_file is required"
             )
-        self._secret: Secret | None = None
+        self._secret: Secret[bytes] | None = None
         if secret is not None:
             if len(secret.encode()) < MIN_SECRET_BYTES:
                 raise ConfigError(
@@ -228,9 +229,8 @@ class PeerTier(SecondaryTier):
         self._links: dict[str, _Link] = {}
         self._sessions: set[_Session] = set()
         self._inbound = 0
-        self._listener: socket.socket | None = None
-        self._server_ssl: ssl.SSLContext | None = None
-        self._client_ssl: ssl.SSLContext | None = None
+        self._listener: Listener | None = None
+        self._credentials: Credentials | None = None
         self._closed = False
 
     def __repr__(self) -> str:
@@ -269,8 +269,7 @@ class PeerTier(SecondaryTier):
         """The bound listening address ``(host, port)`` (the real port when 0 was asked)."""
         if self._listener is None:
             raise RuntimeError(f"tier {self.ctx.tier_name} is not listening")
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        return self._listener.address
 
     @property
     def listen_address(self) -> str:
@@ -312,10 +311,14 @@ class PeerTier(SecondaryTier):
             self._secret = await anyio.to_thread.run_sync(
                 _read_secret_file, self._secret_file, f"{self.ctx.config_path}.secret_file"
             )
+        server_tls = client_tls = None
         if self._tls is not None:
-            self._server_ssl, self._client_ssl = await anyio.to_thread.run_sync(
+            server_tls, client_tls = await anyio.to_thread.run_sync(
                 _tls_contexts, self._tls, f"{self.ctx.config_path}.tls"
             )
+        self._credentials = Credentials(
+            self._secret, self._node_id, self._format.digest, client_tls, server_tls
+        )
         if self.ctx.primary is None:
             logger.warning(
                 "tier %s cannot pin this node's primary tier: it reads from peers but "
@@ -345,31 +348,19 @@ class PeerTier(SecondaryTier):
             self._listener = None
         self._publish_connections()
 
-    async def _bind(self) -> socket.socket:
-        loop = asyncio.get_running_loop()
+    async def _bind(self) -> Listener:
         path = f"{self.ctx.config_path}.listen"
         where = _label((self._listen_host, self._listen_port))
         try:
-            infos = await loop.getaddrinfo(
+            return await self._transport.listen(
                 self._listen_host,
                 self._listen_port,
-                type=socket.SOCK_STREAM,
-                flags=socket.AI_PASSIVE,
+                backlog=4 * self.max_inbound_connections,
             )
-        except OSError as exc:
+        except socket.gaierror as exc:
             raise ConfigError(path, f"cannot resolve {where}: {exc}") from None
-        family, kind, proto, _, address = infos[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            # A restarted node takes its port back while old connections sit in TIME_WAIT.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-            sock.listen(min(socket.SOMAXCONN, 4 * self.max_inbound_connections))
-            sock.setblocking(False)
         except OSError as exc:
-            sock.close()
             raise ConfigError(path, f"cannot listen on {where}: {exc.strerror or exc}") from None
-        return sock
 
     # ---------------------------------------------------------------- lookups
 
@@ -415,7 +406,7 @@ class PeerTier(SecondaryTier):
         requests: list[tuple[_Request, list[int]]] = []
         try:
             for link, positions in plan.items():
-                for part in _fetch_batches(job.keys, positions):
+                for part in fetch_batches(job.keys, positions):
                     keys = [job.keys[p] for p in part]
                     views = [view[job.chunk_ids[p]] for p in part]
                     requests.append((await link.fetch(keys, views), part))
@@ -509,29 +500,13 @@ class PeerTier(SecondaryTier):
 
     async def _connect(self, peer: tuple[str, int], label: str) -> _Link:
         host, port = peer
-        assert self._secret is not None
+        assert self._credentials is not None
         with anyio.fail_after(self.connect_timeout_s):
-            sock = await _open_connection(host, port)
+            opened = await self._transport.connect(host, port)
             try:
-                tune_socket(sock)
-                channel: Channel
-                if self._client_ssl is not None:
-                    tls = TlsChannel(
-                        sock, label, self._client_ssl, server_side=False, server_hostname=host
-                    )
-                    await tls.handshake()
-                    channel = tls
-                else:
-                    channel = PlainChannel(sock, label)
-                remote_id = await authenticate_reader(
-                    channel,
-                    self._secret,
-                    self._node_id,
-                    self._format.digest,
-                    secrets.token_bytes(32),
-                )
+                channel, remote_id = await self._credentials.as_reader(opened, host)
             except BaseException:
-                sock.close()
+                opened.close()
                 raise
         return _Link(self, label, channel, remote_id)
 
@@ -574,10 +549,9 @@ class PeerTier(SecondaryTier):
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None
-        loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, address = await loop.sock_accept(self._listener)
+                accepted = await self._listener.accept()
             except OSError as exc:
                 # EMFILE and friends: wait for descriptors to free up instead of spinning.
                 self._throttle.warning(
@@ -585,9 +559,9 @@ class PeerTier(SecondaryTier):
                 )
                 await asyncio.sleep(0.1)
                 continue
-            label = _label(address[:2])
+            label = accepted.peer
             if self._inbound >= self.max_inbound_connections:
-                sock.close()
+                accepted.close()
                 self._throttle.warning(
                     "busy",
                     "tier %s: refused %s: %d connections already (max_inbound_connections)",
@@ -597,35 +571,23 @@ class PeerTier(SecondaryTier):
                 )
                 continue
             self._inbound += 1
-            task = self._tasks.spawn(self._serve_connection(sock, label), f"p2p-serve-{label}")
+            task = self._tasks.spawn(self._serve_connection(accepted), f"p2p-serve-{label}")
             # In a callback, not the coroutine's ``finally``: a task cancelled before its
-            # first step never runs its body, and the socket must be closed all the same.
-            task.add_done_callback(functools.partial(self._connection_ended, sock))
+            # first step never runs its body, and the channel must be closed all the same.
+            task.add_done_callback(functools.partial(self._connection_ended, accepted))
 
-    def _connection_ended(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
+    def _connection_ended(self, channel: Channel, task: asyncio.Task[None]) -> None:
         self._inbound -= 1
-        sock.close()
+        channel.close()
 
-    async def _serve_connection(self, sock: socket.socket, label: str) -> None:
+    async def _serve_connection(self, accepted: Channel) -> None:
+        label = accepted.peer
         channel: Channel | None = None
         try:
             try:
                 with anyio.fail_after(self.connect_timeout_s):
-                    tune_socket(sock)
-                    if self._server_ssl is not None:
-                        tls = TlsChannel(sock, label, self._server_ssl, server_side=True)
-                        await tls.handshake()
-                        channel = tls
-                    else:
-                        channel = PlainChannel(sock, label)
-                    assert self._secret is not None
-                    remote_id = await authenticate_owner(
-                        channel,
-                        self._secret,
-                        self._node_id,
-                        self._format.digest,
-                        secrets.token_bytes(32),
-                    )
+                    assert self._credentials is not None
+                    channel, remote_id = await self._credentials.as_owner(accepted)
             except SelfConnection:
                 return
             except (AuthError, ssl.SSLError, TimeoutError) as exc:
@@ -1284,43 +1246,6 @@ def _unpin_result(primary: PrimaryAccess, task: asyncio.Task[dict[OffloadKey, me
         primary.unpin(list(task.result()))
 
 
-def _fetch_batches(keys: Sequence[OffloadKey], positions: list[int]) -> list[list[int]]:
-    """``positions`` cut so each FETCH stays within MAX_FETCH_KEYS and CONTROL_BATCH_BYTES."""
-    batches: list[list[int]] = []
-    batch: list[int] = []
-    size = 0
-    for position in positions:
-        cost = 2 + len(keys[position])
-        if batch and (len(batch) == MAX_FETCH_KEYS or size + cost > CONTROL_BATCH_BYTES - 16):
-            batches.append(batch)
-            batch, size = [], 0
-        batch.append(position)
-        size += cost
-    if batch:
-        batches.append(batch)
-    return batches
-
-
-async def _open_connection(host: str, port: int) -> socket.socket:
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    error: OSError = OSError(f"no address for {host}")
-    for family, kind, proto, _, address in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            await loop.sock_connect(sock, address)
-        except OSError as exc:
-            sock.close()
-            error = exc
-            continue
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-    raise error
-
-
 def _parse_address(value: str, path: str, *, listen: bool) -> tuple[str, int]:
     host, colon, port_text = value.rpartition(":")
     if not colon or not host or not port_text.isdigit():
@@ -1336,9 +1261,7 @@ def _parse_address(value: str, path: str, *, listen: bool) -> tuple[str, int]:
     return host, port
 
 
-def _label(address: tuple[str, int]) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+_label = format_address
 
 
 def _describe(exc: BaseException) -> str:
@@ -1388,7 +1311,7 @@ def _tls_contexts(tls: dict[str, Any], path: str) -> tuple[ssl.SSLContext, ssl.S
     return server, client
 
 
-def _read_secret_file(path: str, config_path: str) -> Secret:
+def _read_secret_file(path: str, config_path: str) -> Secret[bytes]:
     """Read a secret file that only its owner may access. Runs in a thread."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

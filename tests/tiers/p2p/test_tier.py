@@ -36,10 +36,12 @@ from p2p_procs import (
 from prometheus_client import generate_latest
 
 from kvtier import ConfigError, KVTier, OffloadingSpecFactory, ReqContext
+from kvtier._secrets import Secret
 from kvtier.metrics import Names
 from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
 from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
-from kvtier.tiers.p2p.protocol import FRAME, Kind, Secret, encode_fetch, encode_hello
+from kvtier.tiers.p2p.handshake import encode_hello
+from kvtier.tiers.p2p.wire import FRAME, Kind, encode_fetch
 
 pytestmark = pytest.mark.anyio
 
