@@ -40,7 +40,6 @@ set operations; announcements reach the loop through ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -49,7 +48,6 @@ import secrets
 import socket
 import ssl
 import stat
-import threading
 import time
 from collections import deque
 from collections.abc import Coroutine, Mapping, Sequence
@@ -77,6 +75,7 @@ from kvtier.tiers.p2p.errors import (
     SelfConnection,
 )
 from kvtier.tiers.p2p.handshake import Credentials
+from kvtier.tiers.p2p.index import Announcer, Outbox, PeerIndex
 from kvtier.tiers.p2p.sockets import SocketTransport
 from kvtier.tiers.p2p.wire import (
     CHUNK_META,
@@ -128,13 +127,6 @@ _FRAME_SLACK = 64 * 1024
 # A reader has one fetch in flight per promotion job (max_concurrent_jobs, 8 by
 # default); a backlog beyond this is a misbehaving peer.
 MAX_QUEUED_FETCHES = 1024
-# Index changes waiting for one slow reader, beyond its initial key set. Evictions run
-# at a few thousand keys a second at most, so a reader this far behind is stuck; it is
-# disconnected and resynchronises when it reconnects.
-MAX_OUTBOX_BACKLOG = 1 << 20
-# A dead link's index entries are removed in slices of this many keys, yielding to the
-# loop between slices; contains() already ignores a dead link's entries.
-_INDEX_DROP_SLICE = 8192
 # The same problem (bad handshakes from some address, refused connections) is logged at
 # most this often, with a count of the occurrences in between.
 _LOG_INTERVAL_S = 10.0
@@ -221,8 +213,8 @@ class PeerTier(SecondaryTier):
 
         self._format = ChunkFormat(ctx.namespace)
         self._node_id = secrets.token_bytes(16)
-        self._index = _PeerIndex()
-        self._announcer = _Announcer()
+        self._index: PeerIndex[_Link] = PeerIndex()
+        self._announcer = Announcer()
         self._events = EventLog(ctx.enable_events)
         self._tasks = _TaskSet(ctx.tier_name)
         self._throttle = _Throttle()
@@ -750,13 +742,15 @@ class _Link:
         self.remote_id = remote_id
         self.live = True
         self.end_reason: str | None = None
-        #: Keys this peer announced (the index holds the reverse mapping).
-        self.keys: set[OffloadKey] = set()
         self.requests: dict[int, _Request] = {}
         self.reader: asyncio.Task[None] | None = None
         self.last_rx = asyncio.get_running_loop().time()
         self._next_id = 0
         self._send_lock = asyncio.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests)
 
     async def fetch(self, keys: list[OffloadKey], views: list[memoryview]) -> _Request:
         """Ask the owner for ``keys``; the chunks land in ``views``. Never raises I/O errors:
@@ -879,7 +873,7 @@ class _Session:
         self.peer = peer
         self.remote_id = remote_id
         self._wake = asyncio.Event()
-        self.outbox = _Outbox(asyncio.get_running_loop(), self._wake)
+        self.outbox = Outbox(self._wake)
         self._fetches: deque[tuple[int, list[OffloadKey]]] = deque()
 
     async def run(self) -> BaseException | None:
@@ -986,196 +980,8 @@ class _Session:
                 tier._count(SERVED_CHUNKS, served)
 
 
-class _Outbox:
-    """Index changes waiting to be sent to one reader, in order.
-
-    Filled under the announcer's lock from any thread; emptied by the session's writer
-    on the loop, which it wakes through ``call_soon_threadsafe`` when filled elsewhere.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
-        self._loop = loop
-        self._loop_thread = threading.get_ident()
-        self._wake_event = wake
-        self._wake_scheduled = False
-        self.changes: deque[tuple[bool, list[OffloadKey]]] = deque()
-        self.backlog = 0
-        self.overflowed = False
-
-    def push(self, present: bool, keys: list[OffloadKey], *, counted: bool = True) -> None:
-        if self.overflowed:
-            return
-        self.changes.append((present, keys))
-        if counted:
-            self.backlog += len(keys)
-            if self.backlog > MAX_OUTBOX_BACKLOG:
-                self.overflowed = True
-                self.changes.clear()
-        self._wake()
-
-    def _wake(self) -> None:
-        if threading.get_ident() == self._loop_thread:
-            self._wake_event.set()
-        elif not self._wake_scheduled:
-            self._wake_scheduled = True
-            # A closed loop has nobody left to send to.
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._wake_on_loop)
-
-    def _wake_on_loop(self) -> None:
-        self._wake_scheduled = False
-        self._wake_event.set()
-
-
 def _checksums(rows: Sequence[memoryview]) -> list[int]:
     return [ChunkFormat.checksum(row) for row in rows]
-
-
-class _Announcer:
-    """The keys this node announces, and the readers that hear about changes.
-
-    ``announce`` runs on the loop (cascades), ``withdraw`` on the scheduler's thread
-    (evictions, under the manager lock); both only touch a set and deques under a lock.
-    A new reader gets the whole set and then every later change, under the same lock,
-    so it never misses or reorders one.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        #: Announced key -> the payload checksum taken when it was stored.
-        self._held: dict[OffloadKey, int] = {}
-        self._outboxes: list[_Outbox] = []
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def announce(self, keys: Sequence[OffloadKey], checksums: Sequence[int]) -> list[OffloadKey]:
-        with self._lock:
-            added = [key for key in keys if key not in self._held]
-            self._held.update(zip(keys, checksums, strict=True))
-            if added:
-                for outbox in self._outboxes:
-                    outbox.push(True, added)
-        return added
-
-    def checksum(self, key: OffloadKey) -> int | None:
-        """The checksum taken when ``key`` was announced (a dict probe: no lock needed)."""
-        return self._held.get(key)
-
-    def withdraw(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-        with self._lock:
-            held = self._held
-            removed = [key for key in keys if key in held]
-            if removed:
-                for key in removed:
-                    del held[key]
-                for outbox in self._outboxes:
-                    outbox.push(False, removed)
-        return removed
-
-    def subscribe(self, outbox: _Outbox) -> None:
-        with self._lock:
-            self._outboxes.append(outbox)
-            if self._held:
-                outbox.push(True, list(self._held), counted=False)
-
-    def unsubscribe(self, outbox: _Outbox) -> None:
-        with self._lock:
-            if outbox in self._outboxes:
-                self._outboxes.remove(outbox)
-
-    def take(self, outbox: _Outbox) -> list[tuple[bool, list[OffloadKey]]]:
-        """The outbox's changes, consecutive ones of a kind merged; empties it.
-
-        Raises:
-            LinkError: the reader fell too far behind (it resynchronises on reconnect).
-        """
-        with self._lock:
-            if outbox.overflowed:
-                raise LinkError(
-                    f"the reader fell more than {MAX_OUTBOX_BACKLOG} index changes behind"
-                )
-            merged: list[tuple[bool, list[OffloadKey]]] = []
-            for present, keys in outbox.changes:
-                if merged and merged[-1][0] == present:
-                    merged[-1][1].extend(keys)
-                else:
-                    merged.append((present, list(keys)))
-            outbox.changes.clear()
-            outbox.backlog = 0
-        return merged
-
-
-class _PeerIndex:
-    """Key -> the links whose owners announced it.
-
-    Changed only on the loop thread; read there without the lock and from the
-    scheduler's thread (:meth:`contains`) under it. A key's holders are a tuple (one
-    holder is the common case, and a tuple costs a third of a set).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders: dict[OffloadKey, tuple[_Link, ...]] = {}
-
-    def __len__(self) -> int:
-        return len(self._holders)
-
-    def contains(self, key: OffloadKey) -> bool:
-        with self._lock:
-            holders = self._holders.get(key)
-        if holders:
-            for link in holders:
-                if link.live:
-                    return True
-        return False
-
-    def pick(self, key: OffloadKey) -> _Link | None:
-        """The live holder of ``key`` with the fewest requests in flight (loop thread)."""
-        best: _Link | None = None
-        for link in self._holders.get(key, ()):
-            if link.live and (best is None or len(link.requests) < len(best.requests)):
-                best = link
-        return best
-
-    def add(self, link: _Link, keys: Sequence[OffloadKey]) -> None:
-        with self._lock:
-            holders_of = self._holders
-            known = link.keys
-            for key in keys:
-                if key in known:
-                    continue
-                known.add(key)
-                holders = holders_of.get(key)
-                holders_of[key] = (link,) if holders is None else (*holders, link)
-
-    def remove(self, link: _Link, keys: Sequence[OffloadKey]) -> None:
-        with self._lock:
-            for key in keys:
-                if key in link.keys:
-                    link.keys.discard(key)
-                    self._discard(key, link)
-
-    async def drop(self, link: _Link) -> None:
-        """Forget every key of a dead link, a slice at a time."""
-        keys = list(link.keys)
-        for start in range(0, len(keys), _INDEX_DROP_SLICE):
-            if start:
-                await asyncio.sleep(0)
-            with self._lock:
-                for key in keys[start : start + _INDEX_DROP_SLICE]:
-                    link.keys.discard(key)
-                    self._discard(key, link)
-
-    def _discard(self, key: OffloadKey, link: _Link) -> None:
-        holders = self._holders.get(key)
-        if holders is None:
-            return
-        rest = tuple(holder for holder in holders if holder is not link)
-        if rest:
-            self._holders[key] = rest
-        else:
-            del self._holders[key]
 
 
 class _TaskSet:
