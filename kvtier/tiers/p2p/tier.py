@@ -42,12 +42,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import random
 import secrets
 import socket
 import ssl
-import stat
 import time
 from collections import deque
 from collections.abc import Coroutine, Mapping, Sequence
@@ -56,8 +54,6 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from kvtier._secrets import Secret
-from kvtier.config import ConfigReader
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
@@ -76,6 +72,7 @@ from kvtier.tiers.p2p.errors import (
 )
 from kvtier.tiers.p2p.handshake import Credentials
 from kvtier.tiers.p2p.index import Announcer, Outbox, PeerIndex
+from kvtier.tiers.p2p.settings import PeerSettings, read_secret_file
 from kvtier.tiers.p2p.sockets import SocketTransport
 from kvtier.tiers.p2p.wire import (
     CHUNK_META,
@@ -104,26 +101,6 @@ FRAMES_REJECTED = "kvtier_p2p_frames_rejected"
 INDEXED_KEYS = "kvtier_p2p_indexed_keys"
 SERVED_CHUNKS = "kvtier_p2p_served_chunks"
 
-DEFAULT_LISTEN = "127.0.0.1:0"
-# Connecting, the TLS handshake and the secret handshake together: a few round trips,
-# so 5 s only expires for a host that is down or a listener that never answers.
-DEFAULT_CONNECT_TIMEOUT_S = 5.0
-# A frame begun but not finished, or a fetch answered by nothing at all, for this long
-# means the peer is gone. A 2 MiB chunk takes under 2 ms on a 10 Gb/s link, so 10 s
-# only fires on a dead or wedged peer, never on a slow one.
-DEFAULT_IO_TIMEOUT_S = 10.0
-# Redialing a lost peer: 0.1 s, doubling to 5 s, each wait drawn from [half, all] of
-# the step so that many readers of one restarted node do not redial in lockstep.
-DEFAULT_RECONNECT_INITIAL_S = 0.1
-DEFAULT_RECONNECT_MAX_S = 5.0
-# Accepted connections at once, authenticated or not: a flood of half-open handshakes
-# cannot use up this process's file descriptors.
-DEFAULT_MAX_INBOUND = 64
-#: The shortest secret accepted: 128 bits, if it is random.
-MIN_SECRET_BYTES = 16
-# The default frame limit is one chunk frame plus this: room for every control frame,
-# which senders cut at CONTROL_BATCH_BYTES.
-_FRAME_SLACK = 64 * 1024
 # A reader has one fetch in flight per promotion job (max_concurrent_jobs, 8 by
 # default); a backlog beyond this is a misbehaving peer.
 MAX_QUEUED_FETCHES = 1024
@@ -152,64 +129,26 @@ class PeerTier(SecondaryTier):
 
     medium = Medium.NETWORK
     locality = "remote"
+    settings_class = PeerSettings
 
     def __init__(
         self, ctx: TierContext, *, transport: Transport | None = None, **params: Any
     ) -> None:
         super().__init__(ctx)
         self._transport = SocketTransport() if transport is None else transport
-        settings = ctx.read(params)
-        self._listen_host, self._listen_port = _parse_address(
-            settings.string("listen", DEFAULT_LISTEN), settings.path_of("listen"), listen=True
-        )
-        peers: list[str] = settings.string_list("peers", [])
-        self._peers: list[tuple[str, int]] = []
-        for i, peer in enumerate(peers):
-            address = _parse_address(peer, f"{settings.path_of('peers')}[{i}]", listen=False)
-            if address in self._peers:
-                raise ConfigError(f"{settings.path_of('peers')}[{i}]", f"{peer} is listed twice")
-            self._peers.append(address)
-        secret: str | None = settings.string("secret", None, secret=True)
-        self._secret_file: str | None = settings.string("secret_file", None)
-        if (secret is None) == (self._secret_file is None):
-            raise ConfigError(
-                settings.path_of("secret"), "exactly one of secret or secret_file is required"
-            )
-        self._secret: Secret[bytes] | None = None
-        if secret is not None:
-            if len(secret.encode()) < MIN_SECRET_BYTES:
-                raise ConfigError(
-                    settings.path_of("secret"),
-                    f"expected at least {MIN_SECRET_BYTES} bytes (use a random string of 32 "
-                    "characters or more)",
-                )
-            self._secret = Secret(secret.encode())
-        self._tls = _read_tls(settings)
-        self.connect_timeout_s: float = settings.number(
-            "connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S, minimum=0, exclusive_minimum=True
-        )
-        self.io_timeout_s: float = settings.number(
-            "io_timeout_s", DEFAULT_IO_TIMEOUT_S, minimum=0, exclusive_minimum=True
-        )
-        smallest_frame = max(chunk_body_bytes(ctx.chunk_bytes), 2 * CONTROL_BATCH_BYTES)
-        self.max_frame_bytes: int = settings.integer(
-            "max_frame_bytes",
-            chunk_body_bytes(ctx.chunk_bytes) + _FRAME_SLACK,
-            minimum=smallest_frame,
-            maximum=1 << 40,
-        )
-        self.reconnect_initial_s: float = settings.number(
-            "reconnect_initial_s", DEFAULT_RECONNECT_INITIAL_S, minimum=0, exclusive_minimum=True
-        )
-        self.reconnect_max_s: float = settings.number(
-            "reconnect_max_s",
-            max(DEFAULT_RECONNECT_MAX_S, self.reconnect_initial_s),
-            minimum=self.reconnect_initial_s,
-        )
-        self.max_inbound_connections: int = settings.integer(
-            "max_inbound_connections", DEFAULT_MAX_INBOUND, minimum=1, maximum=65536
-        )
-        settings.reject_unknown()
+        self.settings = PeerSettings.from_params(params, ctx.config_path)
+        settings = self.settings
+        self._listen_host, self._listen_port = settings.listen
+        self._peers = list(settings.peers)
+        self._secret_file = settings.secret_file
+        self._secret = settings.secret
+        self._tls = settings.tls
+        self.connect_timeout_s = settings.connect_timeout_s
+        self.io_timeout_s = settings.io_timeout_s
+        self.max_frame_bytes = settings.frame_limit(ctx.chunk_bytes, ctx.config_path)
+        self.reconnect_initial_s = settings.reconnect_initial_s
+        self.reconnect_max_s = settings.reconnect_max_s
+        self.max_inbound_connections = settings.max_inbound_connections
 
         self._format = ChunkFormat(ctx.namespace)
         self._node_id = secrets.token_bytes(16)
@@ -301,12 +240,12 @@ class PeerTier(SecondaryTier):
         if self._secret is None:
             assert self._secret_file is not None
             self._secret = await anyio.to_thread.run_sync(
-                _read_secret_file, self._secret_file, f"{self.ctx.config_path}.secret_file"
+                read_secret_file, self._secret_file, f"{self.ctx.config_path}.secret_file"
             )
         server_tls = client_tls = None
         if self._tls is not None:
             server_tls, client_tls = await anyio.to_thread.run_sync(
-                _tls_contexts, self._tls, f"{self.ctx.config_path}.tls"
+                self._tls.contexts, f"{self.ctx.config_path}.tls"
             )
         self._credentials = Credentials(
             self._secret, self._node_id, self._format.digest, client_tls, server_tls
@@ -1052,21 +991,6 @@ def _unpin_result(primary: PrimaryAccess, task: asyncio.Task[dict[OffloadKey, me
         primary.unpin(list(task.result()))
 
 
-def _parse_address(value: str, path: str, *, listen: bool) -> tuple[str, int]:
-    host, colon, port_text = value.rpartition(":")
-    if not colon or not host or not port_text.isdigit():
-        raise ConfigError(path, f'expected "host:port", got {value!r}')
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ConfigError(path, f"write an IPv6 address in brackets, [{host}]:{port_text}")
-    port = int(port_text)
-    lowest = 0 if listen else 1
-    if not lowest <= port <= 65535:
-        raise ConfigError(path, f"expected a port in [{lowest}, 65535], got {port}")
-    return host, port
-
-
 _label = format_address
 
 
@@ -1075,72 +999,3 @@ def _describe(exc: BaseException) -> str:
         return "timed out"
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _read_tls(settings: ConfigReader) -> dict[str, Any] | None:
-    tls = settings.mapping("tls", None)
-    if tls is None:
-        return None
-    reader = ConfigReader(tls, settings.path_of("tls"))
-    parsed = {
-        "cert": reader.string("cert"),
-        "key": reader.string("key"),
-        "ca": reader.string("ca"),
-        "check_hostname": reader.boolean("check_hostname", True),
-    }
-    reader.reject_unknown()
-    return parsed
-
-
-def _tls_contexts(tls: dict[str, Any], path: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """Server and client contexts for mutual TLS. Runs in a thread (it reads files)."""
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    for context in (server, client):
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        try:
-            context.load_cert_chain(tls["cert"], tls["key"])
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(
-                f"{path}.cert", f"cannot load {tls['cert']} with key {tls['key']}: {exc}"
-            ) from None
-        try:
-            context.load_verify_locations(cafile=tls["ca"])
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"{path}.ca", f"cannot load {tls['ca']}: {exc}") from None
-    # Both sides prove who they are: a peer without a certificate from ``ca`` is refused.
-    server.verify_mode = ssl.CERT_REQUIRED
-    # Sessions are long-lived and never resumed: no tickets to send or store.
-    server.num_tickets = 0
-    client.check_hostname = bool(tls["check_hostname"])
-    client.verify_mode = ssl.CERT_REQUIRED
-    return server, client
-
-
-def _read_secret_file(path: str, config_path: str) -> Secret[bytes]:
-    """Read a secret file that only its owner may access. Runs in a thread."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(config_path, f"cannot open {path}: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(config_path, f"{path} is not a regular file")
-        mode = stat.S_IMODE(info.st_mode)
-        if mode & 0o077:
-            raise ConfigError(
-                config_path,
-                f"{path} has mode {mode:04o}: a secret file must not be readable (or "
-                f"writable) by its group or the world; run chmod 600 {path}",
-            )
-        with os.fdopen(os.dup(fd), "rb") as file:
-            data = file.read(1 << 16)
-    finally:
-        os.close(fd)
-    key = data.rstrip(b"\r\n")
-    if len(key) < MIN_SECRET_BYTES:
-        raise ConfigError(
-            config_path, f"{path} holds fewer than {MIN_SECRET_BYTES} bytes of secret"
-        )
-    return Secret(key)

@@ -516,43 +516,14 @@ def free_port() -> int:
 SECRET_VALUE = "Sup3r-Secret-Value-Never-To-Be-Shown"
 
 
-@pytest.mark.parametrize(
-    ("params", "path"),
-    [
-        ({"secret": None}, "secret"),
-        ({"secret_file": "/nonexistent"}, "secret"),
-        ({"secret": "too-short"}, "secret"),
-        ({"secret": 1234567890123456789012}, "secret"),
-        ({"listen": "nowhere"}, "listen"),
-        ({"listen": "127.0.0.1:70000"}, "listen"),
-        ({"listen": "::1:80"}, "listen"),
-        ({"peers": "127.0.0.1:1"}, "peers"),
-        ({"peers": ["127.0.0.1"]}, "peers[0]"),
-        ({"peers": ["127.0.0.1:0"]}, "peers[0]"),
-        ({"peers": ["h:1", "h:1"]}, "peers[1]"),
-        ({"io_timeout_s": 0}, "io_timeout_s"),
-        ({"connect_timeout_s": "fast"}, "connect_timeout_s"),
-        ({"max_frame_bytes": 1024}, "max_frame_bytes"),
-        ({"reconnect_initial_s": 1, "reconnect_max_s": 0.5}, "reconnect_max_s"),
-        ({"max_inbound_connections": 0}, "max_inbound_connections"),
-        ({"tls": "on"}, "tls"),
-        ({"tls": {"cert": "c.pem"}}, "tls.key"),
-        ({"tls": {"cert": "c", "key": "k", "ca": "a", "verify": False}}, "tls.verify"),
-        ({"secrte": "typo"}, "secrte"),
-    ],
-)
-def test_bad_settings_name_their_key_and_never_show_the_secret(engine_id, params, path):
-    tier = {"type": "p2p", "secret": SECRET_VALUE, **params}
-    if tier["secret"] is None:
-        del tier["secret"]
+def test_a_bad_setting_stops_the_manager_naming_its_key_and_never_the_secret(engine_id):
+    """Every case is in test_settings; this one shows the manager reports them."""
+    tier = {"type": "p2p", "secret": SECRET_VALUE, "secrte": "typo"}
     spec = OffloadingSpecFactory.create_spec(node_config(engine_id, tier))
     with pytest.raises(ConfigError) as caught:
         spec.get_manager()
-    assert caught.value.path == f"secondary_tiers[0].{path}"
-    assert str(caught.value).startswith(f"secondary_tiers[0].{path}: ")
-    assert SECRET_VALUE not in str(caught.value) and "1234567890123456789012" not in str(
-        caught.value
-    )
+    assert caught.value.path == "secondary_tiers[0].secrte"
+    assert SECRET_VALUE not in str(caught.value)
 
 
 def test_a_secret_file_readable_by_others_is_refused(engine_id, tmp_path):
