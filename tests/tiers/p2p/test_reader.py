@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 
 import anyio
@@ -114,14 +115,16 @@ async def test_a_reader_redials_a_restarted_owner_and_hears_its_whole_key_set():
             assert reader.tier.connected_peers == [again.address]
 
 
-async def test_a_node_listed_among_its_own_peers_gives_up_dialing_itself():
+async def test_a_node_listed_among_its_own_peers_gives_up_dialing_itself(caplog):
     transport = MemoryTransport()
+    caplog.set_level(logging.INFO, logger="kvtier.tiers.p2p")
     async with MemoryNode(transport, "self", peers=["self:7070"], **QUICK) as node:
         await until(
             lambda: not any(t.get_name() == "p2p-dial-self:7070" for t in asyncio.all_tasks())
         )
         assert node.counter(AUTH_FAILURES) == 0
         assert node.tier.connected_peers == [] and node.tier.inbound_peers == 0
+        assert "peer self:7070 is this node itself" in caplog.text
 
 
 # ------------------------------------------------------- a hand-driven owner

@@ -494,22 +494,6 @@ async def test_closing_leaves_no_task_and_no_socket_behind(engine_id):
     assert asyncio.all_tasks() - before == set()
 
 
-async def test_a_node_listed_among_its_own_peers_does_not_dial_itself(engine_id, caplog):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    config = in_process_config(engine_id, listen=address, peers=[address])
-    with caplog.at_level(logging.INFO, logger="kvtier.tiers.p2p"):
-        async with KVTier(config, [zeros()]) as kv:
-            assert await wait_until(lambda: "is this node itself" in caplog.text, 30)
-            assert peer_tier(kv).connected_peers == []
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 # --------------------------------------------------------------- configuration
 
 
