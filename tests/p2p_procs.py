@@ -22,24 +22,27 @@ import torch
 from helpers import keys, tiering_config
 
 from kvtier import KVTier, OffloadingConfig, OffloadingSpecFactory
+from kvtier._secrets import Secret
 from kvtier.metrics import Names
 from kvtier.tiers._format import ChunkFormat
-from kvtier.tiers._p2p_protocol import (
+from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
+from kvtier.tiers.p2p.handshake import (
+    PREAUTH_MAX_BODY,
+    Role,
+    decode_hello,
+    encode_hello,
+    proof,
+)
+from kvtier.tiers.p2p.wire import (
     CHUNK_META,
     FRAME,
-    PREAUTH_MAX_BODY,
     Kind,
-    Role,
-    Secret,
     chunk_body_bytes,
     decode_fetch,
-    decode_hello,
     encode_fetch,
-    encode_hello,
     encode_key_list,
     parse_frame_header,
 )
-from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
 
 BLOCK = 16 * 1024  # bytes per GPU block and per chunk (one block per chunk)
 GPU_BLOCKS = 64
@@ -256,7 +259,8 @@ class RawReader:
         assert kind is Kind.HELLO, f"got {kind.name}"
         hello = decode_hello(body)
         key = Secret(secret.encode())
-        proof = key.proof(
+        mine = proof(
+            key,
             Role.READER,
             prover_id=self.node_id,
             prover_nonce=nonce,
@@ -264,10 +268,11 @@ class RawReader:
             challenger_nonce=hello.nonce,
             digest=digest,
         )
-        send_frame(self.sock, Kind.PROOF, proof)
+        send_frame(self.sock, Kind.PROOF, mine)
         kind, body = recv_frame(self.sock, PREAUTH_MAX_BODY)
         assert kind is Kind.PROOF, f"got {kind.name}"
-        expected = key.proof(
+        expected = proof(
+            key,
             Role.OWNER,
             prover_id=hello.node_id,
             prover_nonce=hello.nonce,
@@ -352,7 +357,8 @@ def _owner_handshake(sock: socket.socket, namespace: str) -> None:
     kind, body = recv_frame(sock, PREAUTH_MAX_BODY)
     assert kind is Kind.PROOF
     key = Secret(SECRET.encode())
-    expected = key.proof(
+    expected = proof(
+        key,
         Role.READER,
         prover_id=hello.node_id,
         prover_nonce=hello.nonce,
@@ -361,7 +367,8 @@ def _owner_handshake(sock: socket.socket, namespace: str) -> None:
         digest=digest,
     )
     assert body == expected
-    answer = key.proof(
+    answer = proof(
+        key,
         Role.OWNER,
         prover_id=node_id,
         prover_nonce=nonce,

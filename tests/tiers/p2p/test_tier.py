@@ -36,10 +36,12 @@ from p2p_procs import (
 from prometheus_client import generate_latest
 
 from kvtier import ConfigError, KVTier, OffloadingSpecFactory, ReqContext
+from kvtier._secrets import Secret
 from kvtier.metrics import Names
 from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
-from kvtier.tiers._p2p_protocol import FRAME, Kind, Secret, encode_fetch, encode_hello
 from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
+from kvtier.tiers.p2p.handshake import encode_hello
+from kvtier.tiers.p2p.wire import FRAME, Kind, encode_fetch
 
 pytestmark = pytest.mark.anyio
 
@@ -492,65 +494,20 @@ async def test_closing_leaves_no_task_and_no_socket_behind(engine_id):
     assert asyncio.all_tasks() - before == set()
 
 
-async def test_a_node_listed_among_its_own_peers_does_not_dial_itself(engine_id, caplog):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    config = in_process_config(engine_id, listen=address, peers=[address])
-    with caplog.at_level(logging.INFO, logger="kvtier.tiers.p2p"):
-        async with KVTier(config, [zeros()]) as kv:
-            assert await wait_until(lambda: "is this node itself" in caplog.text, 30)
-            assert peer_tier(kv).connected_peers == []
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 # --------------------------------------------------------------- configuration
 
 
 SECRET_VALUE = "Sup3r-Secret-Value-Never-To-Be-Shown"
 
 
-@pytest.mark.parametrize(
-    ("params", "path"),
-    [
-        ({"secret": None}, "secret"),
-        ({"secret_file": "/nonexistent"}, "secret"),
-        ({"secret": "too-short"}, "secret"),
-        ({"secret": 1234567890123456789012}, "secret"),
-        ({"listen": "nowhere"}, "listen"),
-        ({"listen": "127.0.0.1:70000"}, "listen"),
-        ({"listen": "::1:80"}, "listen"),
-        ({"peers": "127.0.0.1:1"}, "peers"),
-        ({"peers": ["127.0.0.1"]}, "peers[0]"),
-        ({"peers": ["127.0.0.1:0"]}, "peers[0]"),
-        ({"peers": ["h:1", "h:1"]}, "peers[1]"),
-        ({"io_timeout_s": 0}, "io_timeout_s"),
-        ({"connect_timeout_s": "fast"}, "connect_timeout_s"),
-        ({"max_frame_bytes": 1024}, "max_frame_bytes"),
-        ({"reconnect_initial_s": 1, "reconnect_max_s": 0.5}, "reconnect_max_s"),
-        ({"max_inbound_connections": 0}, "max_inbound_connections"),
-        ({"tls": "on"}, "tls"),
-        ({"tls": {"cert": "c.pem"}}, "tls.key"),
-        ({"tls": {"cert": "c", "key": "k", "ca": "a", "verify": False}}, "tls.verify"),
-        ({"secrte": "typo"}, "secrte"),
-    ],
-)
-def test_bad_settings_name_their_key_and_never_show_the_secret(engine_id, params, path):
-    tier = {"type": "p2p", "secret": SECRET_VALUE, **params}
-    if tier["secret"] is None:
-        del tier["secret"]
+def test_a_bad_setting_stops_the_manager_naming_its_key_and_never_the_secret(engine_id):
+    """Every case is in test_settings; this one shows the manager reports them."""
+    tier = {"type": "p2p", "secret": SECRET_VALUE, "secrte": "typo"}
     spec = OffloadingSpecFactory.create_spec(node_config(engine_id, tier))
     with pytest.raises(ConfigError) as caught:
         spec.get_manager()
-    assert caught.value.path == f"secondary_tiers[0].{path}"
-    assert str(caught.value).startswith(f"secondary_tiers[0].{path}: ")
-    assert SECRET_VALUE not in str(caught.value) and "1234567890123456789012" not in str(
-        caught.value
-    )
+    assert caught.value.path == "secondary_tiers[0].secrte"
+    assert SECRET_VALUE not in str(caught.value)
 
 
 def test_a_secret_file_readable_by_others_is_refused(engine_id, tmp_path):
