@@ -21,14 +21,7 @@ from kvtier.metrics import MetricsRecorder
 from kvtier.region import PrimaryView
 from kvtier.resources import resolve_threadsafe
 from kvtier.tiers._format import ChunkFormat
-from kvtier.tiers.base import (
-    JobResult,
-    PinRequest,
-    PrimaryAccess,
-    TierContext,
-    TransferJob,
-    UnpinRequest,
-)
+from kvtier.tiers.base import JobResult, PrimaryAccess, TierContext, TransferJob
 from kvtier.tiers.p2p import MemoryTransport, PeerTier
 from kvtier.tiers.p2p.channel import Channel
 from kvtier.tiers.p2p.handshake import Credentials
@@ -42,20 +35,24 @@ HANG_S = 10
 
 
 class FakeManager:
-    """The manager's end of PrimaryAccess: pins the keys it holds, counts the pins."""
+    """A PinBackend in the manager's place: pins the keys it holds, counts the pins."""
 
     def __init__(self, view: PrimaryView) -> None:
         self.view = view
         self.slots: dict[OffloadKey, int] = {}
         self.pins: Counter[OffloadKey] = Counter()
 
-    def post(self, request: object) -> None:
-        if isinstance(request, PinRequest):
-            rows = {k: self.view[self.slots[k]] for k in request.keys if k in self.slots}
-            self.pins.update(list(rows))
-            resolve_threadsafe(request.future, rows)
-        elif isinstance(request, UnpinRequest):
-            self.pins.subtract(request.keys)
+    def request_pins(
+        self,
+        keys: tuple[OffloadKey, ...],
+        future: asyncio.Future[dict[OffloadKey, memoryview]],
+    ) -> None:
+        rows = {k: self.view[self.slots[k]] for k in keys if k in self.slots}
+        self.pins.update(list(rows))
+        resolve_threadsafe(future, rows)
+
+    def release_pins(self, keys: tuple[OffloadKey, ...]) -> None:
+        self.pins.subtract(keys)
 
     @property
     def pinned(self) -> int:
@@ -72,7 +69,7 @@ class MemoryNode:
         self.view = PrimaryView(memoryview(self.region), chunks, CHUNK)
         self.manager = FakeManager(self.view)
         access = PrimaryAccess(self.view)
-        access.bind(self.manager.post)
+        access.bind(self.manager)
         self.metrics = MetricsRecorder(PeerTier.build_metric_definitions({}))
         self.ctx = TierContext(
             primary_view=self.view,

@@ -193,7 +193,7 @@ def example_bench_tier() -> Iterator[list[tuple[object, ...]]]:
 
     def ready(tier: SecondaryTier) -> bool:
         assert isinstance(tier, ExampleTier)
-        seen.append(("ready", tier.custom_param))
+        seen.append(("ready", tier.settings.custom_param))
         return True
 
     @contextlib.asynccontextmanager

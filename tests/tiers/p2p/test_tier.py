@@ -500,12 +500,11 @@ async def test_closing_leaves_no_task_and_no_socket_behind(engine_id):
 SECRET_VALUE = "Sup3r-Secret-Value-Never-To-Be-Shown"
 
 
-def test_a_bad_setting_stops_the_manager_naming_its_key_and_never_the_secret(engine_id):
-    """Every case is in test_settings; this one shows the manager reports them."""
+def test_a_bad_setting_stops_the_spec_naming_its_key_and_never_the_secret(engine_id):
+    """Every case is in test_settings; this one shows the spec reports them."""
     tier = {"type": "p2p", "secret": SECRET_VALUE, "secrte": "typo"}
-    spec = OffloadingSpecFactory.create_spec(node_config(engine_id, tier))
     with pytest.raises(ConfigError) as caught:
-        spec.get_manager()
+        OffloadingSpecFactory.create_spec(node_config(engine_id, tier))
     assert caught.value.path == "secondary_tiers[0].secrte"
     assert SECRET_VALUE not in str(caught.value)
 
