@@ -192,7 +192,7 @@ class FileSystemTier(SecondaryTier):
     async def start(self) -> None:
         self._readers = anyio.CapacityLimiter(self.settings.read_depth)
         self._writers = anyio.CapacityLimiter(self.settings.write_depth)
-        await aiofiles.os.makedirs(self.directory, exist_ok=True)
+        await self._make_directory()
         await self._check_namespace_file()
         self.o_direct = await self._probe_o_direct()
         # The scan may take long on a big directory; lookups do not wait for it.
@@ -202,6 +202,16 @@ class FileSystemTier(SecondaryTier):
         # The scan runs in a thread that cannot be interrupted: let it end.
         await self._tasks.wait()
         await self._tasks.aclose()
+
+    async def _make_directory(self) -> None:
+        root = self.settings.root_dir.expanduser()
+        key = f"{self.ctx.config_path}.root_dir"
+        if await aiofiles.os.path.exists(root) and not await aiofiles.os.path.isdir(root):
+            raise ConfigError(key, f"{root} is not a directory")
+        try:
+            await aiofiles.os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(key, f"cannot create {self.directory}: {exc.strerror}") from exc
 
     async def _check_namespace_file(self) -> None:
         path = self.directory / NAMESPACE_FILE

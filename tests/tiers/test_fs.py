@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import damaged, keys, store_all, tiering_config
 
-from kvtier import KVTier, ReqContext
+from kvtier import ConfigError, KVTier, ReqContext
 from kvtier.metrics import Names
 from kvtier.tiers.fs import FileSystemTier
 
@@ -65,6 +65,19 @@ async def test_chunks_survive_primary_eviction_and_come_back_byte_exact(engine_i
         assert await kv.lookup(ks[:4], "reader", timeout=30) == 4
         assert await kv.load(ks[:4], [40, 41, 42, 43], "reader") == 4
         assert torch.equal(kv_cache[40:44], kv_cache[0:4])
+
+
+@pytest.mark.parametrize("below", ["", "deeper"])
+async def test_a_root_dir_that_is_a_file_is_refused_naming_the_key(engine_id, tmp_path, below):
+    path = tmp_path / "a-file"
+    path.write_text("not a directory")
+    root = path / below if below else path
+    with pytest.raises(ConfigError) as caught:
+        async with KVTier(fs_config(engine_id, root), [kv_tensor()]):
+            pass
+    assert caught.value.path == "secondary_tiers[0].root_dir"
+    assert str(path) in str(caught.value)
+    assert path.read_text() == "not a directory"
 
 
 async def test_files_follow_the_documented_layout(engine_id, tmp_path):
