@@ -23,6 +23,13 @@ __all__ = ["TieringOffloadingSpec"]
 
 logger = logging.getLogger(__name__)
 
+# Promotion jobs in flight at once for a local tier (fs). Each job is striped over all
+# of the tier's read threads, so two keep the disk busy across one job's tail while
+# the next one starts; more only make every job share the disk and finish late
+# (benchmarks/serving_path.py, see BENCHMARKS.md). Remote tiers wait on round trips
+# rather than a device: they keep running as many jobs as max_concurrent_jobs allows.
+LOCAL_PROMOTION_JOBS = 2
+
 
 class TieringOffloadingSpec(CPUOffloadingSpec):
     """The CPU primary tier with ``secondary_tiers`` behind it.
@@ -31,7 +38,8 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
     ``fs``, a registered name, or a class name with ``module_path``), the tier's own
     parameters, and optionally the framework's keys: ``name`` (label suffix),
     ``backpressure``, ``locality`` (``local``/``remote``), ``max_concurrent_jobs``,
-    ``job_timeout_s``, ``lookup_timeout_s`` and ``shutdown_grace_s``. A top-level
+    ``max_promotion_jobs``, ``job_timeout_s``, ``lookup_timeout_s`` and
+    ``shutdown_grace_s``. A top-level
     ``backpressure`` mapping supplies defaults, merged field by field under each
     tier's own.
     """
@@ -157,8 +165,14 @@ def _tier_options(
     name = reader.string("name", None)
     if name is not None and (":" in name or not name.isprintable()):
         raise ConfigError(f"{path}.name", "expected a printable name without ':'")
+    max_jobs = reader.integer("max_concurrent_jobs", 8, minimum=1)
     runner = RunnerSettings(
-        max_concurrent_jobs=reader.integer("max_concurrent_jobs", 8, minimum=1),
+        max_concurrent_jobs=max_jobs,
+        max_promotion_jobs=reader.integer(
+            "max_promotion_jobs",
+            min(max_jobs, LOCAL_PROMOTION_JOBS) if locality == "local" else max_jobs,
+            minimum=1,
+        ),
         job_timeout_s=reader.number("job_timeout_s", 30.0, minimum=0, exclusive_minimum=True),
         lookup_timeout_s=reader.number("lookup_timeout_s", 5.0, minimum=0, exclusive_minimum=True),
         shutdown_grace_s=reader.number("shutdown_grace_s", 5.0, minimum=0),

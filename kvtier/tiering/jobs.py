@@ -30,6 +30,8 @@ class _Job:
     state: TierState
     job: TransferJob
     since: float
+    #: When the job went to its tier (a promotion may wait for a free job before).
+    launched: float = 0.0
     #: Slots of a timed-out promotion, held until its I/O has stopped.
     quarantined: list[int] = field(default_factory=list)
 
@@ -59,18 +61,17 @@ class JobTable:
         state.read_chunks += len(keys)
         return job
 
-    def promotions(self, state: TierState) -> list[TransferJob]:
-        """One load job per request that queued promotions from ``state`` in this step."""
+    def promotions(self, state: TierState, now: float) -> list[TransferJob]:
+        """One load job per request whose promotions from ``state`` may start now."""
         jobs: list[TransferJob] = []
-        for req_id, promotion in state.promotions.items():
+        for req_id, promotion in state.take_promotions():
             job = TransferJob(
                 self._new_id(), tuple(promotion.keys), tuple(promotion.slots), True, req_id
             )
-            self._jobs[job.job_id] = _Job(state, job, promotion.since)
+            self._jobs[job.job_id] = _Job(state, job, promotion.since, launched=now)
             state.active_promotions += 1
             state.write_chunks += len(job.keys)
             jobs.append(job)
-        state.promotions.clear()
         return jobs
 
     def finished(self, outcome: JobOutcome) -> list[OffloadKey] | None:
@@ -123,7 +124,9 @@ class JobTable:
             measured = len(loaded) * self._chunk_bytes
             counts.counters[Names.READ_BYTES] += _or(result.transfer_bytes, measured)
             counts.counters[Names.READ_TIME] += _or(result.transfer_time, outcome.elapsed)
-            counts.samples[Names.PROMOTION_LATENCY].append(time.perf_counter() - entry.since)
+            now = time.perf_counter()
+            counts.samples[Names.PROMOTION_LATENCY].append(now - entry.since)
+            counts.samples[Names.PROMOTION_JOB_TIME].append(now - entry.launched)
         return loaded
 
     def _cascade_finished(self, entry: _Job, outcome: JobOutcome) -> None:

@@ -57,7 +57,12 @@ class TierState:
         self.asked_at: dict[OffloadKey, float] = {}
         self.queued: list[OffloadKey] = []
         self.lookups_in_flight = 0
+        #: Promotions queued during the current step, by request.
         self.promotions: dict[str, Promotion] = {}
+        #: Promotions of past steps waiting for a free job, oldest first.
+        self.ready: dict[str, Promotion] = {}
+        settings = runner.settings
+        self.promotion_limit = settings.max_promotion_jobs or settings.max_concurrent_jobs
         self.active_promotions = 0
         self.active_cascades = 0
         self.write_chunks = 0
@@ -67,7 +72,7 @@ class TierState:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queued or self.promotions or self.lookups_in_flight)
+        return bool(self.queued or self.promotions or self.ready or self.lookups_in_flight)
 
     # ------------------------------------------------------------- answers
 
@@ -101,6 +106,29 @@ class TierState:
         if per_request is None:
             per_request = self.answers[req_id] = {}
         per_request[key] = present
+
+    def seal_promotions(self) -> None:
+        """The step ended: its promotions join those waiting for a job."""
+        for req_id, promotion in self.promotions.items():
+            waiting = self.ready.get(req_id)
+            if waiting is None:
+                self.ready[req_id] = promotion
+            else:
+                waiting.keys.extend(promotion.keys)
+                waiting.slots.extend(promotion.slots)
+        self.promotions.clear()
+
+    def take_promotions(self) -> list[tuple[str, Promotion]]:
+        """The waiting promotions that may start now, oldest first, within the limit."""
+        room = self.promotion_limit - self.active_promotions
+        if room <= 0 or not self.ready:
+            return []
+        return [(req_id, self.ready.pop(req_id)) for req_id in list(self.ready)[:room]]
+
+    def drop_promotions(self, req_id: str) -> list[Promotion]:
+        """Forget the request's promotions not sent yet; returns them."""
+        dropped = [self.promotions.pop(req_id, None), self.ready.pop(req_id, None)]
+        return [promotion for promotion in dropped if promotion is not None]
 
     def take_queued(self) -> tuple[OffloadKey, ...] | None:
         """The step's queued lookups as one batch, now in flight; None if there are none."""
@@ -148,8 +176,9 @@ class TierState:
 
     def drop_queued(self) -> list[Promotion]:
         """Forget lookups and promotions not sent yet; returns the promotions dropped."""
-        dropped = list(self.promotions.values())
+        dropped = [*self.promotions.values(), *self.ready.values()]
         self.promotions.clear()
+        self.ready.clear()
         for key in self.queued:
             self.asking.pop(key, None)
             self.asked_at.pop(key, None)

@@ -390,8 +390,7 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             req_id = req.req_id
             for state in self._tiers:
-                promotion = state.promotions.pop(req_id, None)
-                if promotion is not None:
+                for promotion in state.drop_promotions(req_id):
                     self.primary.complete_write(promotion.keys, False)
             reserved = self._requests.take_reserved(req_id)
             if reserved:
@@ -423,9 +422,32 @@ class TieringOffloadingManager(AsyncResource):
             batch = state.take_queued()
             if batch is not None:
                 launches.append((state.runner.launch_lookup, (batch,)))
-            for job in self._jobs.promotions(state):
-                self._requests.started(job.req_id)
-                launches.append((state.runner.launch_job, (job, now)))
+            state.seal_promotions()
+            self._add_promotions(state, now, launches)
+        self._launch(launches)
+
+    def _launch_waiting_promotions(self) -> None:
+        """Promotion jobs ended: start the promotions waiting for their turn."""
+        if self._closed:
+            return
+        launches: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        now = time.perf_counter()
+        for state in self._tiers:
+            if state.ready:
+                self._add_promotions(state, now, launches)
+        self._launch(launches)
+
+    def _add_promotions(
+        self,
+        state: TierState,
+        now: float,
+        launches: list[tuple[Callable[..., None], tuple[Any, ...]]],
+    ) -> None:
+        for job in self._jobs.promotions(state, now):
+            self._requests.started(job.req_id)
+            launches.append((state.runner.launch_job, (job, now)))
+
+    def _launch(self, launches: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
         if launches:
             assert self._loop is not None
             self._loop.call(_launch_all, launches)
@@ -480,25 +502,32 @@ class TieringOffloadingManager(AsyncResource):
             self._finish_request(req_id)
 
     def _drain(self) -> None:
+        promotions_ended = False
         for outcome in self._completions.drain():
-            self._apply(outcome)
+            promotions_ended |= self._apply(outcome)
+        if promotions_ended:
+            self._launch_waiting_promotions()
 
-    def _apply(self, outcome: Outcome) -> None:
+    def _apply(self, outcome: Outcome) -> bool:
+        """Apply one outcome; whether it let a promotion job of its tier go."""
         match outcome:
             case JobOutcome():
                 promoted = self._jobs.finished(outcome)
                 if promoted is not None:
                     self._promotion_ended(outcome.job.req_id, promoted)
+                return outcome.job.is_promotion and outcome.released
             case LookupOutcome():
                 self._tiers[outcome.runner].lookup_done(outcome)
             case JobReleased():
                 self._jobs.released(outcome)
+                return outcome.job.is_promotion
             case PinRequest():
                 assert self._pins is not None
                 self._pins.serve_pin(outcome)
             case UnpinRequest():
                 assert self._pins is not None
                 self._pins.serve_unpin(outcome)
+        return False
 
     # ---------------------------------------------------------- async helpers
 

@@ -167,3 +167,21 @@ def test_cpu_spec_metrics_do_not_include_tiering_ones():
 
 def test_example_tier_is_the_built_in_example():
     assert SecondaryTierFactory.get_tier_class({"type": "example"}) is ExampleTier
+
+
+@pytest.mark.parametrize(
+    ("tier", "expected"),
+    [
+        ({"type": "example"}, 2),
+        ({"type": "example", "max_concurrent_jobs": 1}, 1),
+        ({"type": "example", "locality": "remote"}, 8),
+        ({"type": "example", "locality": "remote", "max_concurrent_jobs": 4}, 4),
+        ({"type": "example", "max_promotion_jobs": 3}, 3),
+    ],
+)
+def test_promotion_jobs_in_flight_default_by_locality(engine_id, tier, expected):
+    spec = OffloadingSpecFactory.create_spec(tiering_config(engine_id, [tier]))
+    try:
+        assert spec.tier_options[0].runner.max_promotion_jobs == expected
+    finally:
+        spec.shutdown()

@@ -418,3 +418,52 @@ async def test_a_prefix_lookup_never_evicts_the_prefix_it_resolves(engine_id):
         assert not found.pending and list(found.pinned) == first[:4]
         assert [key for job in tier.load_jobs for key in job.keys] == first[:4]
         manager.complete_load(first, req)
+
+
+async def test_promotions_beyond_max_promotion_jobs_wait_their_turn_in_hit_order(engine_id):
+    tier_config = scripted("paced", instant=True, max_promotion_jobs=1)
+    async with opened(engine_id, [tier_config], chunks=12) as manager:
+        tier = ScriptedTier.instances["paced"]
+        prompts = [keys(f"paced-{i}", 3) for i in range(3)]
+        for prompt in prompts:
+            fill(manager, prompt)
+        await settle(manager)
+        await manager.areset_cache()
+        tier.gate.clear()
+        requests = [ReqContext(f"r{i}") for i in range(3)]
+        for prompt, req in zip(prompts, requests, strict=True):
+            assert [manager.lookup(k, req) for k in prompt] == [PENDING] * 3
+        manager.on_schedule_end()
+        await asyncio.sleep(0.01)
+        # One job on the tier; the others hold their slots and wait in the manager.
+        assert [job.req_id for job in tier.load_jobs] == ["r0"]
+        assert manager.has_pending_work()
+        tier.gate.set()
+        await settle(manager)
+        # Each finished job let the next one go, without a scheduler step between.
+        assert [job.req_id for job in tier.load_jobs] == ["r0", "r1", "r2"]
+        for prompt, req in zip(prompts, requests, strict=True):
+            assert [manager.lookup(k, req) for k in prompt] == [HIT] * 3
+            manager.on_request_finished(req)
+
+
+async def test_a_request_finished_while_its_promotion_waits_frees_its_slots(engine_id):
+    tier_config = scripted("waiting", instant=True, max_promotion_jobs=1)
+    async with opened(engine_id, [tier_config], chunks=8) as manager:
+        tier = ScriptedTier.instances["waiting"]
+        first, second = keys("first", 2), keys("second", 2)
+        fill(manager, first + second)
+        await settle(manager)
+        await manager.areset_cache()
+        tier.gate.clear()
+        for prompt, req in ((first, ReqContext("a")), (second, ReqContext("b"))):
+            assert [manager.lookup(k, req) for k in prompt] == [PENDING] * 2
+        manager.on_schedule_end()
+        await asyncio.sleep(0.01)
+        manager.on_request_finished(ReqContext("b"))  # still waiting: never sent
+        tier.gate.set()
+        await settle(manager)
+        assert [job.req_id for job in tier.load_jobs] == ["a"]
+        assert all(manager.primary.slot_of(key) is None for key in second)
+        assert manager.primary.num_busy == 2  # a's chunks, kept until it loads
+        assert not manager.has_pending_work()
