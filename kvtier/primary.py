@@ -67,6 +67,8 @@ class PrimaryTier:
         self._records: dict[OffloadKey, SlotRecord] = {}
         # Popped from the end: slot 0 is handed out first.
         self._free: list[int] = list(range(num_chunks - 1, -1, -1))
+        # Slots a reset forgot while a host copy may still use them.
+        self._held: list[int] = []
         self.num_evictable = 0
         self.num_writing = 0
         self._events = EventLog(enable_events)
@@ -289,14 +291,32 @@ class PrimaryTier:
 
     # -------------------------------------------------------------- lifecycle
 
-    def reset(self) -> None:
-        """Forget every key. The caller guarantees no copy touches a slot any more."""
+    def reset(self, *, hold_busy: bool = False) -> None:
+        """Forget every key.
+
+        Without ``hold_busy`` the caller guarantees no copy touches a slot any more.
+        With it, slots being written or pinned stay out of the free list (a host copy
+        may still be writing or reading them) until :meth:`release_held`.
+        """
         self._events.add(self.readable_keys(), self.medium, True, self.label)
+        if hold_busy:
+            self._held.extend(r.slot for r in self._records.values() if r.ref_cnt != 0)
+        held = set(self._held)
         self._records.clear()
         self.policy.clear()
-        self._free = list(range(self.num_chunks - 1, -1, -1))
+        self._free = [slot for slot in range(self.num_chunks - 1, -1, -1) if slot not in held]
         self.num_evictable = 0
         self.num_writing = 0
+
+    @property
+    def num_held(self) -> int:
+        """Slots kept out of use by :meth:`reset` with ``hold_busy``."""
+        return len(self._held)
+
+    def release_held(self) -> None:
+        """Return the slots a ``hold_busy`` reset kept: no copy uses them any more."""
+        held, self._held = self._held, []
+        self._free.extend(sorted(held, reverse=True))
 
     def take_events(self) -> list[OffloadingEvent]:
         return self._events.take()

@@ -567,21 +567,30 @@ class TieringOffloadingManager(AsyncResource):
 
     # -------------------------------------------------------------- resetting
 
-    def reset_cache(self) -> None:
+    def reset_cache(self, *, hold_busy_slots: bool = False) -> None:
         """Wait for every job in flight (none is aborted), then clear the primary tier.
 
-        Secondary tiers keep their data. Blocks the calling thread: an async host
-        awaits :meth:`areset_cache` instead.
+        Secondary tiers keep their data. With ``hold_busy_slots`` the slots that host
+        copies were still writing or reading (prepared and not completed) are not
+        reused until :meth:`on_reset_flushed`: a host that drops its copies' results at
+        a reset, as vLLM does, says that way when its copies have stopped. Blocks the
+        calling thread: an async host awaits :meth:`areset_cache` instead.
         """
-        self._block_on(self.areset_cache)
+        self._block_on(lambda: self.areset_cache(hold_busy_slots=hold_busy_slots))
 
-    async def areset_cache(self) -> None:
+    async def areset_cache(self, *, hold_busy_slots: bool = False) -> None:
         """:meth:`reset_cache` for an async host."""
         with self.lock:
             self._drop_queued()
         await self._settle(include_pins=True)
         with self.lock:
-            self._reset()
+            self._reset(hold_busy_slots)
+
+    def on_reset_flushed(self) -> None:
+        """The host's copies in flight at the last reset have ended: reuse their slots."""
+        with self.lock:
+            self.primary.release_held()
+            self._completions.notify()
 
     def _drop_queued(self) -> None:
         """Drop lookups and promotions not yet sent: their slots were never written."""
@@ -589,13 +598,13 @@ class TieringOffloadingManager(AsyncResource):
             for promotion in state.drop_queued():
                 self.primary.complete_write(promotion.keys, False)
 
-    def _reset(self) -> None:
+    def _reset(self, hold_busy_slots: bool = False) -> None:
         readable = self.primary.readable_keys()
         if readable:
             self._primary_removed(readable)
         if self._pins is not None:
             self._pins.forget()
-        self.primary.reset()
+        self.primary.reset(hold_busy=hold_busy_slots)
         for req_id in self._requests.reset():
             self._finish_request(req_id)
         for state in self._tiers:

@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import anyio
 import torch
@@ -73,7 +73,11 @@ class OffloadingWorker(AsyncResource):
     awaits one only stops the waiting, and :meth:`close` waits for every copy.
 
     ``gpu_block_ids`` lists ``blocks_per_chunk`` GPU block ids per chunk, in order;
-    ``chunk_ids`` one primary slot per chunk.
+    ``chunk_ids`` one primary slot per chunk. A copy may also start and end inside a
+    chunk: with ``skip_blocks`` > 0 the first chunk's first ``skip_blocks`` blocks are
+    left alone, and ``gpu_block_ids`` lists the blocks from there on, the last chunk
+    ending wherever they end (a host whose chunks span several GPU blocks loads a
+    prefix that its GPU cache holds in part).
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class OffloadingWorker(AsyncResource):
         self._finished: deque[TransferResult] = deque()
         self._waiters: dict[str, _Waiter] = {}
         self._inflight = 0
+        self._inflight_ids: set[int] = set()
         self._idle = threading.Condition()
         self._ids = itertools.count(1 << 62)
         self._closed = False
@@ -108,13 +113,26 @@ class OffloadingWorker(AsyncResource):
 
     # ------------------------------------------------------------ sync API
 
-    def submit_store(self, job_id: int, gpu_block_ids: BlockIds, chunk_ids: BlockIds) -> None:
+    def submit_store(
+        self, job_id: int, gpu_block_ids: BlockIds, chunk_ids: BlockIds, *, skip_blocks: int = 0
+    ) -> None:
         """Start copying GPU blocks into slots; the result comes from :meth:`get_finished`."""
-        self._submit(job_id, STORE, gpu_block_ids, chunk_ids, self._finished.append)
+        self._submit(job_id, STORE, gpu_block_ids, chunk_ids, self._finished.append, skip_blocks)
 
-    def submit_load(self, job_id: int, chunk_ids: BlockIds, gpu_block_ids: BlockIds) -> None:
+    def submit_load(
+        self, job_id: int, chunk_ids: BlockIds, gpu_block_ids: BlockIds, *, skip_blocks: int = 0
+    ) -> None:
         """Start copying slots into GPU blocks; the result comes from :meth:`get_finished`."""
-        self._submit(job_id, LOAD, gpu_block_ids, chunk_ids, self._finished.append)
+        self._submit(job_id, LOAD, gpu_block_ids, chunk_ids, self._finished.append, skip_blocks)
+
+    def wait(self, job_ids: Collection[int], timeout: float | None = None) -> bool:
+        """Block until the submitted jobs ``job_ids`` have completed; False on timeout.
+
+        Their results still come from :meth:`get_finished`.
+        """
+        ids = set(job_ids)
+        with self._idle:
+            return self._idle.wait_for(lambda: ids.isdisjoint(self._inflight_ids), timeout)
 
     def get_finished(self) -> list[TransferResult]:
         """Results of submitted jobs that completed since the last call."""
@@ -125,23 +143,27 @@ class OffloadingWorker(AsyncResource):
 
     # ----------------------------------------------------------- async API
 
-    async def store(self, gpu_block_ids: BlockIds, chunk_ids: BlockIds) -> TransferResult:
+    async def store(
+        self, gpu_block_ids: BlockIds, chunk_ids: BlockIds, *, skip_blocks: int = 0
+    ) -> TransferResult:
         """Copy GPU blocks into slots and wait, without blocking the loop, until done."""
-        return await self._run(STORE, gpu_block_ids, chunk_ids)
+        return await self._run(STORE, gpu_block_ids, chunk_ids, skip_blocks)
 
-    async def load(self, chunk_ids: BlockIds, gpu_block_ids: BlockIds) -> TransferResult:
+    async def load(
+        self, chunk_ids: BlockIds, gpu_block_ids: BlockIds, *, skip_blocks: int = 0
+    ) -> TransferResult:
         """Copy slots into GPU blocks and wait, without blocking the loop, until done."""
-        return await self._run(LOAD, gpu_block_ids, chunk_ids)
+        return await self._run(LOAD, gpu_block_ids, chunk_ids, skip_blocks)
 
     async def _run(
-        self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds
+        self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds, skip_blocks: int
     ) -> TransferResult:
         future: asyncio.Future[TransferResult] = asyncio.get_running_loop().create_future()
 
         def deliver(result: TransferResult) -> None:
             resolve_threadsafe(future, result)
 
-        self._submit(next(self._ids), direction, gpu_block_ids, chunk_ids, deliver)
+        self._submit(next(self._ids), direction, gpu_block_ids, chunk_ids, deliver, skip_blocks)
         return await future
 
     # -------------------------------------------------------------- closing
@@ -176,17 +198,21 @@ class OffloadingWorker(AsyncResource):
         gpu_block_ids: BlockIds,
         chunk_ids: BlockIds,
         report: Callable[[TransferResult], None],
+        skip_blocks: int = 0,
     ) -> None:
         if self._closed:
             raise KVTierError("the worker is closed")
-        gpu_ids, slots = self._check_ids(direction, gpu_block_ids, chunk_ids)
-        nbytes = slots.numel() * self.layout.column_bytes
+        gpu_ids, slots = self._check_ids(direction, gpu_block_ids, chunk_ids, skip_blocks)
+        nbytes = gpu_ids.numel() * (self.layout.column_bytes // self.layout.blocks_per_chunk)
         started = time.perf_counter()
         if nbytes == 0:
             report(TransferResult(job_id, True, 0, 0.0))
             return
         try:
-            if direction == STORE:
+            gpu_ids, slots = self._copy_partial_chunks(direction, gpu_ids, slots, skip_blocks)
+            if not slots.numel():
+                event = COMPLETED
+            elif direction == STORE:
                 event = self.engine.store(gpu_ids, slots)
             else:
                 event = self.engine.load(slots, gpu_ids)
@@ -206,10 +232,12 @@ class OffloadingWorker(AsyncResource):
             report(TransferResult(job_id, error is None, nbytes, elapsed))
             with self._idle:
                 self._inflight -= 1
+                self._inflight_ids.discard(job_id)
                 self._idle.notify_all()
 
         with self._idle:
             self._inflight += 1
+            self._inflight_ids.add(job_id)
         if event is COMPLETED or event.query():
             finish(None)
             return
@@ -219,16 +247,26 @@ class OffloadingWorker(AsyncResource):
         waiter.watch(event, finish)
 
     def _check_ids(
-        self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds
+        self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds, skip_blocks: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         gpu_ids = _as_ids("gpu_block_ids", gpu_block_ids)
         slots = _as_ids("chunk_ids", chunk_ids)
         layout = self.layout
-        expected = slots.numel() * layout.blocks_per_chunk
-        if gpu_ids.numel() != expected:
+        bpc = layout.blocks_per_chunk
+        if not 0 <= skip_blocks < bpc:
+            raise ValueError(f"skip_blocks must lie in [0, {bpc}), got {skip_blocks}")
+        if skip_blocks == 0:
+            expected = slots.numel() * bpc
+            if gpu_ids.numel() != expected:
+                raise ValueError(
+                    f"{slots.numel()} chunk(s) of {bpc} block(s) need "
+                    f"{expected} gpu_block_ids, got {gpu_ids.numel()}"
+                )
+        elif -(-(skip_blocks + gpu_ids.numel()) // bpc) != slots.numel() or not gpu_ids.numel():
             raise ValueError(
-                f"{slots.numel()} chunk(s) of {layout.blocks_per_chunk} block(s) need "
-                f"{expected} gpu_block_ids, got {gpu_ids.numel()}"
+                f"{gpu_ids.numel()} gpu_block_ids after skipping {skip_blocks} block(s) span "
+                f"{-(-(skip_blocks + gpu_ids.numel()) // bpc)} chunk(s) of {bpc} block(s), "
+                f"but {slots.numel()} chunk_ids were given"
             )
         _check_range("chunk_ids", slots, layout.num_chunks)
         _check_range("gpu_block_ids", gpu_ids, layout.num_gpu_blocks)
@@ -238,6 +276,39 @@ class OffloadingWorker(AsyncResource):
         if torch.unique(written).numel() != written.numel():
             raise ValueError(f"{name} of a {direction} must not repeat an id")
         return gpu_ids, slots
+
+    def _copy_partial_chunks(
+        self, direction: str, gpu_ids: torch.Tensor, slots: torch.Tensor, skip_blocks: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the blocks of chunks the job covers only in part; the whole chunks left.
+
+        At most the first and the last chunk of a job are partial, so these few
+        blocks are copied one by one and synchronously, and the engine (whose copies
+        move whole chunks) gets the rest.
+        """
+        bpc = self.layout.blocks_per_chunk
+        count = gpu_ids.numel()
+        if skip_blocks == 0 and count == slots.numel() * bpc:
+            return gpu_ids, slots
+        end = skip_blocks + count
+        first_whole = 0 if skip_blocks == 0 else 1
+        last_whole = end // bpc  # chunks [first_whole, last_whole) are covered whole
+        partial = [
+            (int(slots[position // bpc]), position % bpc, int(gpu_ids[position - skip_blocks]))
+            for position in range(skip_blocks, end)
+            if not first_whole <= position // bpc < last_whole
+        ]
+        for part in self.layout.slices:
+            for slot, offset, block in partial:
+                if direction == STORE:
+                    part.region_view[slot, offset].copy_(part.blocks[block])
+                else:
+                    part.blocks[block].copy_(part.region_view[slot, offset])
+        if last_whole <= first_whole:
+            return gpu_ids[:0], slots[:0]
+        start = first_whole * bpc - skip_blocks
+        whole_ids = gpu_ids[start : start + (last_whole - first_whole) * bpc]
+        return whole_ids, slots[first_whole:last_whole]
 
 
 def _as_ids(name: str, ids: BlockIds) -> torch.Tensor:

@@ -171,3 +171,33 @@ def test_shutdown_is_idempotent_and_releases_the_region(engine_id):
     spec.shutdown()
     spec.shutdown()
     assert region is not None and region.closed
+
+
+def test_a_reset_holding_busy_slots_reuses_them_only_once_flushed(engine_id):
+    # cpu_bytes_to_use holds 4 chunks: one being written, one pinned by a load, two
+    # readable when the cache is reset.
+    spec, manager = manager_for(engine_id, cpu_bytes_to_use=4 * 4096)
+    writing, pinned, idle = keys("w", 1), keys("p", 1), keys("i", 2)
+    busy_slots = set(manager.prepare_store(writing, REQ).store_spec.chunk_ids)
+    busy_slots |= set(store(manager, pinned).store_spec.chunk_ids)
+    manager.prepare_load(pinned, REQ)
+    store(manager, idle)
+    manager.reset_cache(hold_busy_slots=True)
+    assert all(manager.lookup(k, REQ) is LookupResult.MISS for k in writing + pinned + idle)
+    fresh = keys("fresh", 4)
+    out = manager.prepare_store(fresh[:2], REQ)
+    assert out is not None and busy_slots.isdisjoint(out.store_spec.chunk_ids)
+    # Only the two idle slots were free: the busy ones stay out until the flush.
+    assert manager.prepare_store(fresh[2:], REQ) is None
+    manager.on_reset_flushed()
+    out = manager.prepare_store(fresh[2:], REQ)
+    assert out is not None and set(out.store_spec.chunk_ids) == busy_slots
+    spec.shutdown()
+
+
+def test_a_plain_reset_frees_every_slot_at_once(engine_id):
+    spec, manager = manager_for(engine_id, cpu_bytes_to_use=2 * 4096)
+    manager.prepare_store(keys("w", 2), REQ)
+    manager.reset_cache()
+    assert manager.prepare_store(keys("fresh", 2), REQ) is not None
+    spec.shutdown()

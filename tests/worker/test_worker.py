@@ -253,3 +253,67 @@ def test_region_side_for_a_worker_has_no_scheduler_views(engine_id):
         pytest.raises(KVTierError, match="scheduler side"),
     ):
         _ = region.primary_view
+
+
+@pytest.mark.anyio
+async def test_a_load_may_start_and_end_inside_a_chunk(engine_id):
+    # Chunks of 4 blocks; the load skips the first chunk's first 3 blocks and ends
+    # after the third chunk's first block: 1 + 4 + 1 blocks.
+    spec, worker, kv = build(engine_id, block_size=64)
+    try:
+        assert (await worker.store(list(range(12)), [5, 2, 7])).success
+        before = [tensor.clone() for tensor in kv]
+        loaded = await worker.load([5, 2, 7], [20, 21, 22, 23, 24, 25], skip_blocks=3)
+        assert loaded.success and loaded.transfer_bytes == 6 * 4096
+        for tensor, old in zip(kv, before, strict=True):
+            assert torch.equal(tensor[20:26], old[3:9])
+            # Blocks outside the load are untouched.
+            assert torch.equal(tensor[26:], old[26:]) and torch.equal(tensor[:20], old[:20])
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.anyio
+async def test_a_store_inside_one_chunk_writes_only_its_blocks(engine_id):
+    spec, worker, kv = build(engine_id, block_size=64)
+    manager = spec.get_manager()
+    try:
+        assert (await worker.store([0, 1, 2, 3], [1])).success
+        row_before = bytes(manager.region.primary_view[1])
+        assert (await worker.store([9, 10], [1], skip_blocks=1)).success
+        await worker.load([1], [20, 21, 22, 23])
+        for tensor in kv:
+            assert torch.equal(tensor[[20, 21, 22, 23]], tensor[[0, 9, 10, 3]])
+        assert bytes(manager.region.primary_view[1]) != row_before
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("gpu_ids", "chunk_ids", "skip", "message"),
+    [
+        ([1, 2], [0], 4, r"skip_blocks must lie in \[0, 4\)"),
+        ([1, 2], [0, 1], 1, "span 1 chunk"),
+        ([1, 2, 3, 4], [0], 1, "span 2 chunk"),
+    ],
+)
+def test_a_partial_copy_must_name_the_chunks_it_spans(engine_id, gpu_ids, chunk_ids, skip, message):
+    spec, worker, _ = build(engine_id, block_size=64)
+    try:
+        with pytest.raises(ValueError, match=message):
+            worker.submit_load(1, chunk_ids, gpu_ids, skip_blocks=skip)
+    finally:
+        spec.shutdown()
+
+
+def test_wait_returns_once_the_named_jobs_completed(engine_id, gate):
+    spec, worker, kv = build(engine_id, engine=ThreadedCopyEngine(gate=gate), block_size=32)
+    try:
+        worker.submit_store(7, [0, 1], [0])
+        assert not worker.wait({7}, timeout=0.05)
+        gate.set()
+        assert worker.wait({7}, timeout=10)
+        [result] = worker.get_finished()
+        assert result.job_id == 7 and result.success
+    finally:
+        spec.shutdown()
