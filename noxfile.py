@@ -1,6 +1,8 @@
-"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``."""
+"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s vllm``."""
 
 from __future__ import annotations
+
+import os
 
 import nox
 
@@ -17,7 +19,7 @@ def tests(session: nox.Session) -> None:
     """Run the test suite (pass pytest arguments after --)."""
     session.install(TORCH_CPU)
     session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "not vllm", *session.posargs)
 
 
 @nox.session
@@ -34,3 +36,35 @@ def typecheck(session: nox.Session) -> None:
     session.install(TORCH_CPU)
     session.install("-e", ".[typecheck]")
     session.run("mypy")
+
+
+# vLLM's own requirements pull a CUDA torch of several GB, so vLLM is installed without
+# them and its import-time dependencies come from a pin list known to import
+# vllm.v1.kv_offload and the offloading connector on a CPU-only machine.
+VLLM = "vllm==0.33.0"
+VLLM_PINS = "tests/vllm/pins.txt"
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """The vLLM integration tests, against vLLM's real scheduler and connector (CPU)."""
+    session.install(TORCH_CPU)
+    session.install("--no-deps", VLLM)
+    session.install("--no-deps", "-r", VLLM_PINS)
+    session.install("-e", ".[test]")
+    cache_root = session.create_tmp()
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "vllm",
+        "tests/vllm",
+        *session.posargs,
+        env={
+            # A fresh cache per run: vLLM caches the model-architecture probe there, and
+            # a warm one would hide a missing dependency of that probe.
+            "VLLM_CACHE_ROOT": f"{cache_root}/vllm-cache-{os.getpid()}",
+            "HF_HUB_OFFLINE": "1",
+        },
+    )

@@ -1,0 +1,577 @@
+"""kvtier as vLLM's offloading backend: a spec vLLM 0.33 loads through ``spec_module_path``.
+
+Name it in ``--kv-transfer-config``::
+
+    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {
+         "spec_name": "KVTierOffloadingSpec",
+         "spec_module_path": "kvtier.integrations.vllm",
+         "cpu_bytes_to_use": 8000000000,
+         "secondary_tiers": [{"type": "fs", "root_dir": "/var/cache/kvtier"}]}}
+
+vLLM's connector then drives kvtier's manager from its scheduler and kvtier's worker
+from each GPU worker. This module is the only one in kvtier that imports vLLM: it
+translates at the boundary (vLLM's lookup results, load/store specs, events, metric
+definitions and stats) and keeps kvtier itself free of vLLM.
+
+What vLLM does differently from a kvtier host, and how the adapter answers it:
+
+- vLLM never calls ``touch()``: hits seen by ``lookup`` are touched once per request
+  and step, head of the prefix first, and loads touch their keys.
+- vLLM drops the results of copies in flight at ``reset_cache()`` and says when they
+  ended with ``on_reset_flushed()``: until then kvtier keeps their slots out of use.
+- A load may begin inside a chunk (``block_indices``) when a chunk spans several GPU
+  blocks: the worker copies only the blocks asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload import base as vllm_base
+from vllm.v1.kv_offload.config import OffloadingConfig as VllmOffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+import kvtier
+from kvtier.config import OffloadingConfig
+from kvtier.errors import ConfigError
+from kvtier.keys import OffloadKey
+from kvtier.metrics import CounterDef, GaugeDef, HistogramDef, MetricDefinition, MetricsRecorder
+from kvtier.records import LookupResult, Medium, OffloadingEvent, ReqContext, ScheduleEndContext
+from kvtier.specs.cpu import CPUOffloadingSpec
+from kvtier.specs.tiering import TieringOffloadingSpec
+from kvtier.tiering.manager import TieringOffloadingManager
+from kvtier.worker.worker import OffloadingWorker
+
+__all__ = [
+    "KVTierOffloadingManager",
+    "KVTierOffloadingSpec",
+    "KVTierOffloadingWorker",
+    "KVTierSlots",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Keys of ``kv_connector_extra_config`` that vLLM itself reads; kvtier never sees them.
+#: ``block_size`` and ``blocks_per_chunk`` come back as the chunk size vLLM resolved.
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "self_describing_kv_events",
+        "canonical_layout",
+        "sync_load_budget_bytes",
+    }
+)
+
+#: vLLM's fs-tier thread counts, as the kvtier fs tier's I/O depths.
+_FS_KEYS = {"n_read_threads": "read_depth", "n_write_threads": "write_depth"}
+
+_LOOKUP = {
+    LookupResult.MISS: vllm_base.LookupResult.MISS,
+    LookupResult.HIT: vllm_base.LookupResult.HIT,
+    LookupResult.HIT_PENDING: vllm_base.LookupResult.HIT_PENDING,
+    LookupResult.RETRY: vllm_base.LookupResult.RETRY,
+}
+
+# vLLM knows CPU and STORAGE media. A p2p tier serves a peer's CPU memory: CPU, remote.
+_MEDIUM = {
+    Medium.CPU: vllm_base.Medium.CPU,
+    Medium.GPU: vllm_base.Medium.CPU,
+    Medium.STORAGE: vllm_base.Medium.STORAGE,
+    Medium.NETWORK: vllm_base.Medium.CPU,
+}
+_LOCALITY = {"local": vllm_base.Locality.LOCAL, "remote": vllm_base.Locality.REMOTE}
+_SOURCE = {
+    Medium.CPU: CacheHitSource.HOST,
+    Medium.STORAGE: CacheHitSource.DISK,
+    Medium.NETWORK: CacheHitSource.P2P,
+}
+
+_ENGINE_ID_BAD = re.compile(r"[^A-Za-z0-9_.-]")
+
+#: Label names of ``vllm:kv_offload_config_info`` this spec fills.
+_INFO_KEYS = ("backend", "tiers", "eviction_policy", "blocks_per_chunk")
+
+
+def translate_extra_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's ``kv_connector_extra_config`` as kvtier's: vLLM's own keys removed,
+    vLLM's fs-tier keys renamed.
+
+    Raises:
+        ConfigError: ``canonical_layout`` is true, or an fs tier sets both a vLLM key
+            and the kvtier key it maps to.
+    """
+    if extra_config.get("canonical_layout"):
+        raise ConfigError(
+            "canonical_layout",
+            "is not supported by KVTierOffloadingSpec: kvtier stores each worker's own "
+            "KV pages (vLLM's direct layout), whose namespace names the world size; "
+            "remove canonical_layout",
+        )
+    translated = {k: v for k, v in extra_config.items() if k not in VLLM_KEYS}
+    tiers = translated.get("secondary_tiers")
+    if isinstance(tiers, list):
+        translated["secondary_tiers"] = [
+            _translate_tier(tier, i) if isinstance(tier, Mapping) else tier
+            for i, tier in enumerate(tiers)
+        ]
+    return translated
+
+
+def _translate_tier(tier: Mapping[str, Any], index: int) -> dict[str, Any]:
+    out = dict(tier)
+    if out.get("type") != "fs":
+        return out
+    for vllm_key, kvtier_key in _FS_KEYS.items():
+        if vllm_key in out:
+            if kvtier_key in out:
+                raise ConfigError(
+                    f"secondary_tiers[{index}].{vllm_key}",
+                    f"set either {vllm_key} (vLLM's name) or {kvtier_key}, not both",
+                )
+            out[kvtier_key] = out.pop(vllm_key)
+    return out
+
+
+def _kvtier_spec_class(extra_config: Mapping[str, Any]) -> type[CPUOffloadingSpec]:
+    """The CPU spec when there are no secondary tiers (it alone has store_threshold)."""
+    if extra_config.get("secondary_tiers") or "backpressure" in extra_config:
+        return _TieringSpec
+    return _CPUSpec
+
+
+def vllm_metric_definitions(
+    definitions: Mapping[str, MetricDefinition],
+) -> dict[str, vllm_base.OffloadingMetricMetadata]:
+    """kvtier's metric definitions as vLLM's metadata records, by the same names."""
+    out: dict[str, vllm_base.OffloadingMetricMetadata] = {}
+    for name, definition in definitions.items():
+        if isinstance(definition, HistogramDef):
+            out[name] = vllm_base.OffloadingHistogramMetadata(
+                documentation=definition.documentation,
+                labelnames=definition.labelnames,
+                buckets=definition.buckets,
+            )
+        elif isinstance(definition, GaugeDef):
+            out[name] = vllm_base.OffloadingGaugeMetadata(
+                documentation=definition.documentation, labelnames=definition.labelnames
+            )
+        elif isinstance(definition, CounterDef):
+            out[name] = vllm_base.OffloadingCounterMetadata(
+                documentation=definition.documentation, labelnames=definition.labelnames
+            )
+        else:
+            raise TypeError(f"metric {name!r} has an unknown definition type {definition!r}")
+    return out
+
+
+class _StatsRecorder(MetricsRecorder):
+    """kvtier's metrics, also collected as vLLM stats until :meth:`take`.
+
+    vLLM wants what changed since its last ``get_stats()`` call, histogram samples
+    included, which a Prometheus registry no longer holds; so each recording is also
+    added to a pending payload. Tiers record from the tier loop's thread, the manager
+    from the scheduler's: a lock keeps the payload whole.
+    """
+
+    def __init__(
+        self,
+        definitions: Mapping[str, MetricDefinition],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        super().__init__(definitions, registry)
+        self._stats_lock = threading.Lock()
+        self._stats = OffloadingConnectorStats()
+
+    def inc(self, name: str, amount: float = 1.0, labels: tuple[str, ...] = ()) -> None:
+        super().inc(name, amount, labels)
+        if amount and name in self.definitions:
+            with self._stats_lock:
+                self._stats.increase_counter(name, amount, tuple(labels))
+
+    def set(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        super().set(name, value, labels)
+        if name in self.definitions:
+            with self._stats_lock:
+                self._stats.set_gauge(name, value, tuple(labels))
+
+    def observe(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        super().observe(name, value, labels)
+        if name in self.definitions:
+            with self._stats_lock:
+                self._stats.observe_histogram(name, value, tuple(labels))
+
+    def observe_many(
+        self, name: str, values: Iterable[float], labels: tuple[str, ...] = ()
+    ) -> None:
+        values = list(values)
+        super().observe_many(name, values, labels)
+        if name in self.definitions and values:
+            with self._stats_lock:
+                for value in values:
+                    self._stats.observe_histogram(name, value, tuple(labels))
+
+    def take(self) -> OffloadingConnectorStats | None:
+        """What was recorded since the last call; None if nothing was."""
+        with self._stats_lock:
+            stats, self._stats = self._stats, OffloadingConnectorStats()
+        return None if stats.is_empty() else stats
+
+
+class _CPUSpec(CPUOffloadingSpec):
+    def new_metrics(self) -> MetricsRecorder:
+        return _StatsRecorder(
+            self.build_metric_definitions(self.config.extra_config), self.registry
+        )
+
+
+class _TieringSpec(TieringOffloadingSpec):
+    def new_metrics(self) -> MetricsRecorder:
+        return _StatsRecorder(
+            self.build_metric_definitions(self.config.extra_config), self.registry
+        )
+
+
+@dataclass(frozen=True)
+class KVTierSlots(vllm_base.LoadStoreSpec):  # type: ignore[misc]
+    """Where a load reads or a store writes: one primary slot per chunk.
+
+    Travels pickled from the scheduler to the workers, so it holds plain integers.
+    """
+
+    chunk_ids: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"KVTierSlots{self.chunk_ids}"
+
+
+class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
+    """vLLM's ``OffloadingSpec`` over kvtier: the primary tier, then ``secondary_tiers``.
+
+    Reads kvtier's ``extra_config`` keys (``cpu_bytes_to_use``, ``eviction_policy``,
+    ``secondary_tiers``, ``backpressure``, ...) and accepts vLLM's own; the chunk size
+    is the one vLLM resolved from ``block_size`` or ``blocks_per_chunk``.
+
+    Raises:
+        ValueError: the model has more than one KV-cache group (hybrid,
+            sliding-window or Mamba layers beside full attention), or any invalid
+            setting (:class:`~kvtier.ConfigError`, naming the key).
+    """
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, vllm_base.OffloadingMetricMetadata]:
+        translated = translate_extra_config(extra_config)
+        definitions = _kvtier_spec_class(translated).build_metric_definitions(translated)
+        return vllm_metric_definitions(definitions)
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        return _INFO_KEYS
+
+    def __init__(self, config: VllmOffloadingConfig) -> None:
+        super().__init__(config)
+        if len(config.groups) != 1:
+            raise ValueError(
+                f"KVTierOffloadingSpec supports models with one KV-cache group; this one "
+                f"has {len(config.groups)} (hybrid, sliding-window or Mamba layers beside "
+                "full attention), whose chunks kvtier cannot yet store and look up per "
+                "group. Use vLLM's own CPUOffloadingSpec for this model."
+            )
+        tokens_per_block = config.groups[0].tokens_per_block
+        extra = translate_extra_config(config.extra_config)
+        extra["block_size"] = tokens_per_block * self.blocks_per_chunk
+        self.kvtier_config = OffloadingConfig(
+            engine_id=_engine_id(config.engine_id),
+            kv_bytes_per_block=config.worker_kv_bytes_per_block,
+            tokens_per_block=tokens_per_block,
+            world_size=config.parallel.world_size,
+            rank=config.parallel.rank,
+            model_name=config.model.name,
+            kv_dtype=config.model.dtype,
+            extra_config=extra,
+            enable_kv_events=config.enable_kv_cache_events,
+        )
+        self.kvtier_spec: CPUOffloadingSpec = _kvtier_spec_class(extra)(self.kvtier_config)
+        self._manager: KVTierOffloadingManager | None = None
+
+    def get_manager(self) -> KVTierOffloadingManager:
+        if self._manager is None:
+            self._manager = KVTierOffloadingManager(self.kvtier_spec)
+        return self._manager
+
+    def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> KVTierOffloadingWorker:
+        if len(kv_caches.group_data_refs) != 1:
+            raise ValueError(
+                f"KVTierOffloadingSpec supports one KV-cache group, the worker got "
+                f"{len(kv_caches.group_data_refs)}"
+            )
+        tensors = [entry.tensor for entry in kv_caches.tensors]
+        return KVTierOffloadingWorker(self.kvtier_spec.create_worker(tensors))
+
+
+def _engine_id(engine_id: str) -> str:
+    """vLLM's engine id as a name kvtier accepts for its /dev/shm region."""
+    name = _ENGINE_ID_BAD.sub("_", engine_id)[:128] or "vllm"
+    return name if name[0].isalnum() else f"v{name[:127]}"
+
+
+class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc]
+    """vLLM's scheduler-side manager interface over kvtier's manager."""
+
+    def __init__(self, spec: CPUOffloadingSpec) -> None:
+        self.spec = spec
+        self.kvtier: TieringOffloadingManager = spec.get_manager()
+        metrics = self.kvtier.metrics
+        self._stats = metrics if isinstance(metrics, _StatsRecorder) else None
+        # The adapter's own state only: kvtier's manager takes its lock in every call,
+        # and its tier loop never evicts, so a HIT stays readable until prepare_load.
+        self._lock = threading.RLock()
+        #: Keys each request saw as HIT this step, in lookup (prefix) order.
+        self._hits: dict[str, dict[OffloadKey, None]] = {}
+        #: Keys each request is getting from a secondary tier.
+        self._promoted: dict[str, set[OffloadKey]] = {}
+        self._tiers = self._describe_tiers()
+
+    def _describe_tiers(self) -> dict[str, tuple[Medium, vllm_base.Locality]]:
+        described = {}
+        configs = getattr(self.spec, "tier_configs", [])
+        for label, tier, tier_config in zip(
+            self.kvtier.tier_labels, self.kvtier.tiers, configs, strict=True
+        ):
+            locality = tier_config.get("locality") or type(tier).locality
+            described[label] = (tier.medium, _LOCALITY[locality])
+        return described
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    # -------------------------------------------------------------- lookups
+
+    def lookup(
+        self, key: OffloadKey, req_context: vllm_base.ReqContext
+    ) -> vllm_base.LookupResult:
+        ctx = _context(req_context)
+        in_primary = self.kvtier.primary.ref_count(key) is not None
+        result = self.kvtier.lookup(key, ctx)
+        if result is LookupResult.HIT:
+            self._hits.setdefault(ctx.req_id, {})[key] = None
+        elif result is LookupResult.HIT_PENDING and not in_primary:
+            self._promoted.setdefault(ctx.req_id, set()).add(key)
+        return _LOOKUP[result]
+
+    def get_load_source(self, key: OffloadKey, req_context: vllm_base.ReqContext) -> Any:
+        if key not in self._promoted.get(req_context.req_id, ()):
+            return CacheHitSource.HOST
+        sources = {_SOURCE.get(medium) for medium, _ in self._tiers.values()}
+        if len(sources) == 1 and None not in sources:
+            return sources.pop()
+        return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    # ---------------------------------------------------------------- loads
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: vllm_base.ReqContext
+    ) -> KVTierSlots:
+        ctx = _context(req_context)
+        ordered = list(keys)
+        spec = self.kvtier.prepare_load(ordered, ctx)
+        self._touch(ctx, ordered)
+        return KVTierSlots(tuple(int(slot) for slot in spec.chunk_ids))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: vllm_base.ReqContext) -> None:
+        self.kvtier.touch(list(keys), _context(req_context))
+
+    def complete_load(
+        self, keys: Collection[OffloadKey], req_context: vllm_base.ReqContext
+    ) -> None:
+        self.kvtier.complete_load(list(keys), _context(req_context))
+
+    def _touch(self, ctx: ReqContext, loaded: Sequence[OffloadKey]) -> None:
+        """Record the use of a request's hits and loads, head of the prefix first."""
+        hits = self._hits.pop(ctx.req_id, {})
+        for key in loaded:
+            hits[key] = None
+        if hits:
+            self.kvtier.touch(list(hits), ctx)
+
+    # --------------------------------------------------------------- stores
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: vllm_base.ReqContext
+    ) -> vllm_base.PrepareStoreOutput | None:
+        out = self.kvtier.prepare_store(list(keys), _context(req_context))
+        if out is None:
+            return None
+        return vllm_base.PrepareStoreOutput(
+            keys_to_store=list(out.keys_to_store),
+            store_spec=KVTierSlots(tuple(int(slot) for slot in out.store_spec.chunk_ids)),
+            evicted_keys=list(out.evicted_keys),
+        )
+
+    def complete_store(
+        self,
+        keys: Collection[OffloadKey],
+        req_context: vllm_base.ReqContext,
+        success: bool = True,
+    ) -> None:
+        self.kvtier.complete_store(list(keys), _context(req_context), success)
+
+    # ------------------------------------------------------------- requests
+
+    def on_new_request(
+        self, req_context: vllm_base.ReqContext
+    ) -> vllm_base.RequestOffloadingContext:
+        self.kvtier.on_new_request(_context(req_context))
+        return vllm_base.RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: vllm_base.ReqContext) -> None:
+        ctx = _context(req_context)
+        self._hits.pop(ctx.req_id, None)
+        self._promoted.pop(ctx.req_id, None)
+        self.kvtier.on_request_finished(ctx)
+
+    def on_schedule_end(self, context: vllm_base.ScheduleEndContext) -> None:
+        if self._hits:
+            hits, self._hits = self._hits, {}
+            for req_id, keys in hits.items():
+                self.kvtier.touch(list(keys), ReqContext(req_id))
+        self.kvtier.on_schedule_end(
+            ScheduleEndContext(
+                new_req_ids=context.new_req_ids, preempted_req_ids=context.preempted_req_ids
+            )
+        )
+
+    def has_pending_work(self) -> bool:
+        return self.kvtier.has_pending_work()
+
+    # --------------------------------------------------------------- events
+
+    def take_events(self) -> Iterable[vllm_base.OffloadingEvent]:
+        return [self._event(event) for event in self.kvtier.take_events()]
+
+    def _event(self, event: OffloadingEvent) -> vllm_base.OffloadingEvent:
+        described = self._tiers.get(event.tier)
+        if described is None:  # the primary tier
+            medium, locality, ownership = event.medium, vllm_base.Locality.LOCAL, None
+        else:
+            medium, locality = described
+            ownership = event.tier
+            if medium is Medium.NETWORK:
+                locality = vllm_base.Locality.REMOTE
+        return vllm_base.OffloadingEvent(
+            keys=list(event.keys),
+            medium=_MEDIUM[medium],
+            removed=event.removed,
+            locality=locality,
+            ownership=ownership,
+            # Every kvtier tier announces what it evicts.
+            removal_expected=not event.removed,
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    def reset_cache(self) -> None:
+        self._hits.clear()
+        self._promoted.clear()
+        # vLLM forgets the copies in flight now and reports them ended through
+        # on_reset_flushed; their slots must not be handed out before that.
+        self.kvtier.reset_cache(hold_busy_slots=True)
+
+    def on_reset_flushed(self) -> None:
+        self.kvtier.on_reset_flushed()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return None if self._stats is None else self._stats.take()
+
+    def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
+        spec = self.spec
+        return [
+            {
+                "backend": f"kvtier {kvtier.__version__}",
+                "tiers": ",".join(self.kvtier.tier_labels) or "none",
+                "eviction_policy": spec.eviction_policy,
+                "blocks_per_chunk": spec.blocks_per_chunk,
+            }
+        ]
+
+    def shutdown(self) -> None:
+        self.spec.shutdown()
+
+
+def _context(req_context: vllm_base.ReqContext) -> ReqContext:
+    """kvtier's context for a vLLM request, made once and kept on vLLM's."""
+    ctx: ReqContext | None = req_context.get_state(ReqContext)
+    if ctx is None:
+        ctx = ReqContext(req_context.req_id, req_context.kv_transfer_params)
+        req_context.set_state(ctx)
+    return ctx
+
+
+class KVTierOffloadingWorker(vllm_base.OffloadingWorker):  # type: ignore[misc]
+    """vLLM's worker interface over kvtier's worker for one rank."""
+
+    def __init__(self, worker: OffloadingWorker) -> None:
+        self.kvtier = worker
+
+    def submit_store(
+        self, job_id: int, src_spec: vllm_base.GPULoadStoreSpec, dst_spec: KVTierSlots
+    ) -> bool:
+        self.kvtier.submit_store(
+            job_id, src_spec.block_ids, dst_spec.chunk_ids, skip_blocks=self._skip(src_spec)
+        )
+        return True
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: KVTierSlots,
+        dst_spec: vllm_base.GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        # kvtier starts every load at once, so an expedited one queues behind nothing
+        # of kvtier's; vLLM then waits for it with wait().
+        self.kvtier.submit_load(
+            job_id, src_spec.chunk_ids, dst_spec.block_ids, skip_blocks=self._skip(dst_spec)
+        )
+        return True
+
+    def _skip(self, gpu_spec: vllm_base.GPULoadStoreSpec) -> int:
+        """Blocks of the first chunk before the copy starts (vLLM's block_indices)."""
+        if len(gpu_spec.group_sizes) != 1:
+            raise ValueError(
+                f"KVTierOffloadingSpec supports one KV-cache group, a copy named "
+                f"{len(gpu_spec.group_sizes)}"
+            )
+        return int(gpu_spec.block_indices[0]) % self.kvtier.blocks_per_chunk
+
+    def get_finished(self) -> list[vllm_base.TransferResult]:
+        return [
+            vllm_base.TransferResult(
+                job_id=result.job_id,
+                success=result.success,
+                transfer_size=result.transfer_bytes,
+                transfer_time=result.transfer_time,
+            )
+            for result in self.kvtier.get_finished()
+        ]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.kvtier.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.kvtier.close()

@@ -1,0 +1,339 @@
+"""vLLM's real scheduler and connectors driving kvtier, on CPU tensors.
+
+Everything here needs vLLM (``nox -s vllm``); without it the whole directory is
+skipped. :class:`Engine` plays the model runner: it runs vLLM's ``Scheduler`` (whose
+``OffloadingConnector`` holds the scheduler-side spec) and a worker-role
+``OffloadingConnector`` over CPU KV tensors, writing each computed token's KV as bytes
+derived from its whole prefix, so any block that holds other bytes is caught.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+# One intra-op thread: the KV written per token is tiny, and torch's spinning worker
+# threads would take the small test machine's cores from kvtier's tier threads.
+torch.set_num_threads(1)
+
+# Importing vLLM compiles a few kernels with torch, which warns about its own
+# deprecations; the suite turns warnings into errors, so silence those here only.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.config import (  # noqa: E402
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
+        OffloadingConnector,
+    )
+    from vllm.sampling_params import SamplingParams  # noqa: E402
+    from vllm.utils.hashing import sha256  # noqa: E402
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+    from vllm.v1.kv_cache_interface import (  # noqa: E402
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+    from vllm.v1.request import Request  # noqa: E402
+    from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+MODEL_DIR = Path(__file__).parent / "model"
+TOKENS_PER_BLOCK = 16
+NUM_KV_HEADS = 2
+HEAD_SIZE = 16
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+SPEC_CONFIG = {
+    "spec_name": "KVTierOffloadingSpec",
+    "spec_module_path": "kvtier.integrations.vllm",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="session")
+def model_config() -> ModelConfig:
+    # vLLM inspects the architecture in a subprocess once per cache root; nox points
+    # VLLM_CACHE_ROOT at a fresh directory, so this is slow only once per session.
+    assert os.environ.get("HF_HUB_OFFLINE") == "1", "run through nox -s vllm (offline)"
+    return ModelConfig(
+        model=str(MODEL_DIR), skip_tokenizer_init=True, dtype="float16", max_model_len=2048
+    )
+
+
+def token_kv(tokens: list[int], position: int) -> torch.Tensor:
+    """The KV of the token at ``position``: bytes that depend on every token up to it."""
+    digest = hashlib.blake2b(repr(tokens[: position + 1]).encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "big") & ((1 << 63) - 1))
+    return torch.randn((2, NUM_KV_HEADS, HEAD_SIZE), generator=gen).to(torch.float16)
+
+
+class Engine:
+    """vLLM's scheduler plus a worker connector, stepped by hand like a model runner."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        extra_config: dict[str, Any],
+        *,
+        events: bool = False,
+        num_blocks: int = 64,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
+        self.tokens_per_block = TOKENS_PER_BLOCK
+        self.engine_id = f"test-vllm-{uuid.uuid4().hex[:10]}"
+        self.config = VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=TOKENS_PER_BLOCK, enable_prefix_caching=True),
+            device_config=DeviceConfig(device="cpu"),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=2048,
+                is_encoder_decoder=False,
+            ),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                engine_id=self.engine_id,
+                kv_connector_extra_config={**SPEC_CONFIG, **extra_config},
+            ),
+        )
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        attention = FullAttentionSpec(
+            block_size=TOKENS_PER_BLOCK,
+            num_kv_heads=NUM_KV_HEADS,
+            head_size=HEAD_SIZE,
+            dtype=torch.float16,
+        )
+        page = attention.page_size_bytes
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=page * num_blocks * len(LAYERS),
+                    layers=list(LAYERS),
+                    layer_stride=page * num_blocks,
+                    block_stride=page,
+                )
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), attention)],
+        )
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(TOKENS_PER_BLOCK, sha256)
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=TOKENS_PER_BLOCK,
+            log_stats=True,
+        )
+        self.published: list[Any] = []
+        if self.scheduler.kv_event_publisher is not None:
+            self.scheduler.kv_event_publisher.publish = self.published.append  # type: ignore[method-assign]
+        self.worker = OffloadingConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        # (num_blocks, K/V, tokens, heads, head size): the first dimension is the block.
+        self.caches = {
+            name: torch.zeros(
+                (num_blocks, 2, TOKENS_PER_BLOCK, NUM_KV_HEADS, HEAD_SIZE), dtype=torch.float16
+            )
+            for name in LAYERS
+        }
+        self.worker.register_kv_caches(self.caches)
+        self.tokens: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[int]] = {}
+        #: Tokens each request found computed (GPU prefix cache plus kvtier) when it
+        #: was first scheduled, all verified byte for byte.
+        self.cached_at_start: dict[str, int] = {}
+        self.preempted: set[str] = set()
+        self.finished: set[str] = set()
+        self.verified_blocks = 0
+
+    @property
+    def connector(self) -> OffloadingConnector:
+        connector = self.scheduler.connector
+        assert isinstance(connector, OffloadingConnector)
+        return connector
+
+    @property
+    def manager(self) -> Any:
+        return self.connector.connector_scheduler.manager  # type: ignore[union-attr]
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> None:
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
+        self.tokens[req_id] = list(tokens)
+        self.scheduler.add_request(request)
+
+    def step(self) -> Any:
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        worker = self.worker
+        worker.bind_connector_metadata(meta)
+        worker.handle_preemptions(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        self.preempted |= set(out.preempted_req_ids or ())
+        sampled: dict[str, list[int]] = {}
+        for new in out.scheduled_new_reqs:
+            self.blocks[new.req_id] = list(new.block_ids[0])
+            self._first_scheduled(new.req_id, new.num_computed_tokens)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self.blocks[req_id] = list(new_ids[0]) if new_ids else []
+                self._first_scheduled(req_id, cached.num_computed_tokens[i])
+            elif new_ids:
+                self.blocks[req_id].extend(new_ids[0])
+        for req_id, count in out.num_scheduled_tokens.items():
+            start = self._computed(req_id, out)
+            self._compute(req_id, start, start + count)
+            if start + count >= len(self.tokens[req_id]):
+                token = 3 + (len(self.tokens[req_id]) * 7919 + hash(req_id)) % 1000
+                sampled[req_id] = [token]
+        worker.wait_for_save()
+        finished_sending, finished_recving = worker.get_finished(out.finished_req_ids)
+        worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        req_ids = list(out.num_scheduled_tokens)
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=finished_sending or None,
+                finished_recving=finished_recving or None,
+                kv_connector_worker_meta=worker_meta,
+            ),
+        )
+        engine_outputs = self.scheduler.update_from_output(out, output)
+        for outputs in engine_outputs.values():
+            for request_output in outputs.outputs:
+                self.tokens[request_output.request_id].extend(request_output.new_token_ids)
+                if request_output.finished:
+                    self.finished.add(request_output.request_id)
+        return out
+
+    def _computed(self, req_id: str, out: Any) -> int:
+        for new in out.scheduled_new_reqs:
+            if new.req_id == req_id:
+                return int(new.num_computed_tokens)
+        cached = out.scheduled_cached_reqs
+        return int(cached.num_computed_tokens[cached.req_ids.index(req_id)])
+
+    def _first_scheduled(self, req_id: str, num_computed: int) -> None:
+        self.cached_at_start[req_id] = num_computed
+        self.verify(req_id, num_computed)
+
+    def verify(self, req_id: str, num_tokens: int) -> None:
+        """Every one of the first ``num_tokens`` tokens holds exactly its KV."""
+        tokens, blocks = self.tokens[req_id], self.blocks[req_id]
+        for position in range(num_tokens):
+            block, offset = blocks[position // TOKENS_PER_BLOCK], position % TOKENS_PER_BLOCK
+            expected = token_kv(tokens, position)
+            for name in LAYERS:
+                got = self.caches[name][block, :, offset]
+                assert torch.equal(got, expected), (
+                    f"{req_id}: token {position} in GPU block {block} of {name} holds "
+                    "other bytes than were computed for it"
+                )
+        self.verified_blocks += num_tokens // TOKENS_PER_BLOCK
+
+    def _compute(self, req_id: str, start: int, end: int) -> None:
+        tokens, blocks = self.tokens[req_id], self.blocks[req_id]
+        for position in range(start, min(end, len(tokens))):
+            block, offset = blocks[position // TOKENS_PER_BLOCK], position % TOKENS_PER_BLOCK
+            kv = token_kv(tokens, position)
+            for name in LAYERS:
+                self.caches[name][block, :, offset] = kv
+
+    def run(self, *, max_steps: int = 200, idle_steps: int = 3) -> None:
+        """Step until no request is left, then a few more so stores and cascades land."""
+        steps = 0
+        while self.scheduler.has_requests() or self._busy():
+            self.step()
+            steps += 1
+            if self.manager.has_pending_work():
+                # kvtier's tiers are at work (lookups, promotions, cascades): give them
+                # the CPU for a moment instead of spinning through empty steps.
+                self.manager.kvtier.wait_for_completions_blocking(0.02)
+            assert steps < max_steps, (
+                "the engine did not settle: requests "
+                f"{self.scheduler.has_requests()}, connector jobs "
+                f"{self.connector.connector_scheduler._jobs}, kvtier busy "  # type: ignore[union-attr]
+                f"{self.manager.has_pending_work()}, finished {self.finished} "
+                f"{[(st.queued, st.promotions, st.ready, st.lookups_in_flight) for st in self.manager.kvtier._tiers]} {self.manager.kvtier._jobs._jobs}"
+            )
+        for _ in range(idle_steps):
+            self.step()
+
+    def _busy(self) -> bool:
+        connector_scheduler = self.connector.connector_scheduler
+        assert connector_scheduler is not None
+        return bool(connector_scheduler._jobs) or self.manager.has_pending_work()
+
+    def drain_tiers(self) -> None:
+        """Wait until kvtier's cascades to secondary tiers are done."""
+        kvtier_manager = self.manager.kvtier
+        for _ in range(1000):
+            self.step()
+            if not kvtier_manager.has_pending_work():
+                return
+            kvtier_manager.wait_for_completions_blocking(0.05)
+        raise AssertionError("kvtier's tiers did not settle")
+
+    def wipe_gpu(self) -> None:
+        """Empty vLLM's GPU prefix cache and zero the KV tensors, so only loads refill them."""
+        assert self.scheduler.reset_prefix_cache()
+        for tensor in self.caches.values():
+            tensor.zero_()
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+@pytest.fixture
+def make_engine(model_config: ModelConfig) -> Iterator[Any]:
+    engines: list[Engine] = []
+
+    def make(extra_config: dict[str, Any], **kwargs: Any) -> Engine:
+        engine = Engine(model_config, extra_config, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+        leftovers = list(Path("/dev/shm").glob(f"kvtier_{engine.engine_id}*"))
+        assert not leftovers, f"the engine left {leftovers} behind"
