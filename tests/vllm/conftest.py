@@ -171,6 +171,8 @@ class Engine:
         #: was first scheduled, all verified byte for byte.
         self.cached_at_start: dict[str, int] = {}
         self.preempted: set[str] = set()
+        #: The offloading stats payloads the scheduler sent with its outputs.
+        self.connector_stats: list[dict[str, Any]] = []
         self.finished: set[str] = set()
         self.verified_blocks = 0
 
@@ -196,7 +198,10 @@ class Engine:
         self.scheduler.add_request(request)
 
     def step(self) -> Any:
-        out = self.scheduler.schedule()
+        return self.finish_step(self.scheduler.schedule())
+
+    def finish_step(self, out: Any) -> Any:
+        """The model runner's half of a step that ``scheduler.schedule()`` began."""
         meta = out.kv_connector_metadata
         worker = self.worker
         worker.bind_connector_metadata(meta)
@@ -238,11 +243,18 @@ class Engine:
         )
         engine_outputs = self.scheduler.update_from_output(out, output)
         for outputs in engine_outputs.values():
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(stats.kv_connector_stats)
             for request_output in outputs.outputs:
                 self.tokens[request_output.request_id].extend(request_output.new_token_ids)
                 if request_output.finished:
                     self.finished.add(request_output.request_id)
         return out
+
+    def published_events(self) -> list[Any]:
+        """Every KV-cache event vLLM published, in order."""
+        return [event for batch in self.published for event in batch.events]
 
     def _computed(self, req_id: str, out: Any) -> int:
         for new in out.scheduled_new_reqs:
@@ -291,8 +303,7 @@ class Engine:
                 "the engine did not settle: requests "
                 f"{self.scheduler.has_requests()}, connector jobs "
                 f"{self.connector.connector_scheduler._jobs}, kvtier busy "  # type: ignore[union-attr]
-                f"{self.manager.has_pending_work()}, finished {self.finished} "
-                f"{[(st.queued, st.promotions, st.ready, st.lookups_in_flight) for st in self.manager.kvtier._tiers]} {self.manager.kvtier._jobs._jobs}"
+                f"{self.manager.has_pending_work()}, finished {self.finished}"
             )
         for _ in range(idle_steps):
             self.step()

@@ -51,3 +51,97 @@ def test_a_stored_prompt_loads_back_byte_exact(make_engine, tmp_path, tiers, blo
     engine.run()
     assert engine.cached_at_start["second"] == 8 * TOKENS_PER_BLOCK
     assert engine.finished == {"first", "second"}
+    stored = [e for e in engine.published_events() if type(e).__name__ == "BlockStored"]
+    if not events:
+        assert stored == []
+        return
+    # kvtier's events reach vLLM's publisher through its events tracker: the primary
+    # tier's stores as CPU (local, no owner), the fs tier's as STORAGE owned by "1:fs".
+    media = {(e.medium, e.locality, e.ownership) for e in stored}
+    assert ("CPU", "LOCAL", None) in media
+    if tiers == "fs":
+        assert ("STORAGE", "LOCAL", "1:fs") in media
+
+
+def test_a_load_may_start_inside_a_chunk(make_engine):
+    # Chunks of two blocks. A short request leaves the first three blocks of the
+    # prompt in vLLM's GPU cache, so the long one loads from kvtier starting with the
+    # second block of chunk 1.
+    engine = make_engine({"cpu_bytes_to_use": PRIMARY_BYTES, "blocks_per_chunk": 2})
+    shared = prompt(2, 8)
+    engine.add("store", shared + [4])
+    engine.run()
+    engine.wipe_gpu()
+    engine.add("short", shared[: 3 * TOKENS_PER_BLOCK] + [8, 8])
+    engine.run()
+    assert engine.cached_at_start["short"] == 2 * TOKENS_PER_BLOCK  # chunk 0 from kvtier
+    skips: list[int] = []
+    kvtier_worker = engine.worker.connector_worker.worker.kvtier
+    submit_load = kvtier_worker.submit_load
+
+    def record(*args, skip_blocks=0):
+        skips.append(skip_blocks)
+        return submit_load(*args, skip_blocks=skip_blocks)
+
+    kvtier_worker.submit_load = record
+    engine.add("long", shared + [7, 7, 7])
+    engine.run()
+    assert engine.cached_at_start["long"] == 8 * TOKENS_PER_BLOCK
+    assert skips == [1]
+
+
+def test_preempted_requests_resume_with_their_own_bytes(make_engine):
+    # 24 GPU blocks (one is vLLM's null block) hold the two 11-block prompts only
+    # until they decode into a 12th block: one of them is preempted, its pending
+    # stores flushed, and it comes back through the prefix cache and kvtier.
+    engine = make_engine({"cpu_bytes_to_use": PRIMARY_BYTES}, num_blocks=24)
+    engine.add("a", prompt(3, 11), max_tokens=24)
+    engine.add("b", prompt(4, 11), max_tokens=24)
+    engine.run()
+    assert engine.preempted
+    assert engine.finished == {"a", "b"}
+    for req_id in ("a", "b"):
+        assert len(engine.tokens[req_id]) == 11 * TOKENS_PER_BLOCK + 24
+
+
+def test_reset_with_a_store_in_flight_reuses_its_slots_only_once_flushed(make_engine):
+    engine = make_engine({"cpu_bytes_to_use": PRIMARY_BYTES})
+    shared = prompt(5, 6)
+    engine.add("first", shared + [3], max_tokens=4)
+    engine.step()  # computes the prompt
+    out = engine.scheduler.schedule()  # builds its store jobs: slots are being written
+    jobs = engine.connector.connector_scheduler._jobs
+    assert any(job.is_store for job in jobs.values())
+    primary = engine.manager.kvtier.primary
+    assert engine.scheduler.reset_connector_cache()
+    assert primary.num_held == 6
+    engine.finish_step(out)  # the workers still write the held slots, then report
+    assert primary.num_held == 0
+    engine.run()
+    engine.wipe_gpu()
+    engine.add("again", shared + [9, 9])
+    engine.run()
+    # The store after the reset put every chunk back: all six blocks load, byte-exact.
+    assert engine.cached_at_start["again"] == 6 * TOKENS_PER_BLOCK
+
+
+def test_hits_and_loads_keep_a_prefix_in_the_primary_tier(make_engine):
+    # vLLM never calls touch(): the adapter records the use itself. The primary tier
+    # holds 8 chunks; after A and B fill it, A is used again, so storing C evicts B.
+    engine = make_engine({"cpu_bytes_to_use": 8 * 2 * 2048})
+    prompts = {name: prompt(10 + i, 4) for i, name in enumerate("ABC")}
+    for name in "AB":
+        engine.add(name, prompts[name] + [1])
+        engine.run()
+    engine.wipe_gpu()
+    engine.add("A again", prompts["A"] + [2])
+    engine.run()
+    assert engine.cached_at_start["A again"] == 4 * TOKENS_PER_BLOCK
+    engine.add("C", prompts["C"] + [3])
+    engine.run()
+    engine.wipe_gpu()
+    for name in "AB":
+        engine.add(f"{name} last", prompts[name] + [4])
+        engine.run()
+    assert engine.cached_at_start["A last"] == 4 * TOKENS_PER_BLOCK
+    assert engine.cached_at_start["B last"] == 0

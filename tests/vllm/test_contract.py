@@ -1,0 +1,160 @@
+"""The spec against vLLM's own interfaces: its factory, metrics, results and events."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
+from vllm.v1.kv_offload import base as vllm_base
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+import kvtier
+from kvtier.integrations import vllm as integration
+from kvtier.integrations.vllm import KVTierOffloadingSpec, KVTierSlots
+
+SPEC = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm"}
+
+
+def offloading_config(engine_id, extra, *, groups=1, blocks_per_chunk=1):
+    return OffloadingConfig(
+        groups=tuple(
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"l{i}",), group_id=i)
+            for i in range(groups)
+        ),
+        worker_kv_bytes_per_block=4096,
+        enable_kv_cache_events=False,
+        extra_config={**SPEC, **extra},
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name="tiny", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+def test_importing_kvtier_never_imports_vllm():
+    code = "import sys, kvtier, kvtier.integrations; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_vllms_factory_loads_the_spec_through_spec_module_path(engine_id):
+    assert OffloadingSpecFactory.get_spec_cls(SPEC) is KVTierOffloadingSpec
+    spec = OffloadingSpecFactory.create_spec(
+        offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}, blocks_per_chunk=2)
+    )
+    assert isinstance(spec, vllm_base.OffloadingSpec)
+    assert spec.kvtier_spec.block_size == 32
+    manager = spec.get_manager()
+    assert isinstance(manager, vllm_base.OffloadingManager)
+    manager.shutdown()
+
+
+def test_vllms_own_keys_are_accepted_and_fs_thread_counts_become_depths(engine_id, tmp_path):
+    extra = {
+        "cpu_bytes_to_use": 1 << 20,
+        "blocks_per_chunk": 1,
+        "self_describing_kv_events": True,
+        "canonical_layout": False,
+        "sync_load_budget_bytes": 1 << 20,
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 3, "n_write_threads": 5}
+        ],
+    }
+    spec = KVTierOffloadingSpec(offloading_config(engine_id, extra))
+    [tier] = spec.kvtier_spec.tier_configs
+    assert (tier["read_depth"], tier["write_depth"]) == (3, 5)
+    assert "n_read_threads" not in tier
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"canonical_layout": True}, "canonical_layout"),
+        (
+            {"secondary_tiers": [{"type": "fs", "root_dir": "/x", "n_read_threads": 2, "read_depth": 2}]},
+            r"secondary_tiers\[0\].n_read_threads",
+        ),
+        ({"cpu_bytes_to_use": 1 << 20, "eviction_polcy": "lru"}, "did you mean 'eviction_policy'"),
+    ],
+)
+def test_bad_settings_fail_at_start_naming_the_key(engine_id, extra, message):
+    with pytest.raises(ValueError, match=message):
+        KVTierOffloadingSpec(offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20, **extra}))
+
+
+def test_more_than_one_kv_group_is_refused_with_one_clear_message(engine_id):
+    with pytest.raises(ValueError, match="supports models with one KV-cache group; this one has 2"):
+        KVTierOffloadingSpec(offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}, groups=2))
+
+
+def test_every_lookup_result_maps_to_vllms():
+    assert set(integration._LOOKUP) == set(kvtier.LookupResult)
+    assert set(integration._LOOKUP.values()) == set(vllm_base.LookupResult)
+    for ours, theirs in integration._LOOKUP.items():
+        assert ours.name == theirs.name
+
+
+def test_load_store_specs_survive_pickling():
+    slots = KVTierSlots((4, 1, 7))
+    assert isinstance(slots, vllm_base.LoadStoreSpec)
+    assert pickle.loads(pickle.dumps(slots)) == slots
+
+
+def _prom_classes(registry):
+    def bound(cls):
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=registry, **k)})
+
+    return {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)}
+
+
+def test_vllms_prometheus_metrics_accept_every_stat(make_engine, tmp_path):
+    extra = {
+        "cpu_bytes_to_use": 256 * 4096,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs")}],
+    }
+    engine = make_engine(extra)
+    engine.add("r", list(range(3, 3 + 5 * 16)))
+    engine.run()
+    engine.drain_tiers()
+    assert engine.connector_stats
+    registry = CollectorRegistry()
+    metrics = OffloadPromMetrics(engine.config, _prom_classes(registry), ["engine"], {0: ["0"]})
+    for payload in engine.connector_stats:
+        metrics.observe(payload)
+    queries = registry.get_sample_value(
+        "kvtier_tiering_chunk_queries_total", {"engine": "0", "tier": "0:primary"}
+    )
+    assert queries is not None and queries > 0
+    # Five chunks cascaded to fs once each: the deltas add up to exactly that.
+    written = registry.get_sample_value(
+        "kvtier_tiering_write_bytes_total", {"engine": "0", "tier": "1:fs"}
+    )
+    assert written == 5 * engine.manager.spec.chunk_bytes
+
+
+def test_config_info_fills_the_declared_labels(make_engine):
+    engine = make_engine({"cpu_bytes_to_use": 64 * 4096, "blocks_per_chunk": 2})
+    [info] = engine.manager.config_info()
+    assert set(info) == set(KVTierOffloadingSpec.config_info_keys({}))
+    assert info["blocks_per_chunk"] == 2 and info["tiers"] == "none"
