@@ -362,9 +362,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
 
     # -------------------------------------------------------------- lookups
 
-    def lookup(
-        self, key: OffloadKey, req_context: vllm_base.ReqContext
-    ) -> vllm_base.LookupResult:
+    def lookup(self, key: OffloadKey, req_context: vllm_base.ReqContext) -> vllm_base.LookupResult:
         ctx = _context(req_context)
         in_primary = self.kvtier.primary.ref_count(key) is not None
         result = self.kvtier.lookup(key, ctx)

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
+import torch
 
 # One intra-op thread: the KV written per token is tiny, and torch's spinning worker
 # threads would take the small test machine's cores from kvtier's tier threads.
@@ -31,7 +31,7 @@ torch.set_num_threads(1)
 # deprecations; the suite turns warnings into errors, so silence those here only.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from vllm.config import (  # noqa: E402
+    from vllm.config import (
         CacheConfig,
         DeviceConfig,
         KVEventsConfig,
@@ -40,23 +40,23 @@ with warnings.catch_warnings():
         SchedulerConfig,
         VllmConfig,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
-    from vllm.sampling_params import SamplingParams  # noqa: E402
-    from vllm.utils.hashing import sha256  # noqa: E402
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-    from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-    from vllm.v1.kv_cache_interface import (  # noqa: E402
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
     )
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-    from vllm.v1.request import Request  # noqa: E402
-    from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
 
 MODEL_DIR = Path(__file__).parent / "model"
 TOKENS_PER_BLOCK = 16

@@ -92,7 +92,11 @@ def test_vllms_own_keys_are_accepted_and_fs_thread_counts_become_depths(engine_i
     [
         ({"canonical_layout": True}, "canonical_layout"),
         (
-            {"secondary_tiers": [{"type": "fs", "root_dir": "/x", "n_read_threads": 2, "read_depth": 2}]},
+            {
+                "secondary_tiers": [
+                    {"type": "fs", "root_dir": "/x", "n_read_threads": 2, "read_depth": 2}
+                ]
+            },
             r"secondary_tiers\[0\].n_read_threads",
         ),
         ({"cpu_bytes_to_use": 1 << 20, "eviction_polcy": "lru"}, "did you mean 'eviction_policy'"),
@@ -123,7 +127,11 @@ def test_load_store_specs_survive_pickling():
 
 def _prom_classes(registry):
     def bound(cls):
-        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=registry, **k)})
+        return type(
+            cls.__name__,
+            (cls,),
+            {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=registry, **k)},
+        )
 
     return {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)}
 

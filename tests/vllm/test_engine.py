@@ -28,7 +28,12 @@ def tier_config(kind: str, tmp_path) -> dict:
     return {
         "cpu_bytes_to_use": PRIMARY_BYTES,
         "secondary_tiers": [
-            {"type": "fs", "root_dir": str(tmp_path / "fs"), "n_read_threads": 2, "n_write_threads": 2}
+            {
+                "type": "fs",
+                "root_dir": str(tmp_path / "fs"),
+                "n_read_threads": 2,
+                "n_write_threads": 2,
+            }
         ],
     }
 
@@ -36,18 +41,20 @@ def tier_config(kind: str, tmp_path) -> dict:
 @pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 @pytest.mark.parametrize("tiers", ["primary", "fs"])
-def test_a_stored_prompt_loads_back_byte_exact(make_engine, tmp_path, tiers, blocks_per_chunk, events):
+def test_a_stored_prompt_loads_back_byte_exact(
+    make_engine, tmp_path, tiers, blocks_per_chunk, events
+):
     extra = {**tier_config(tiers, tmp_path), "blocks_per_chunk": blocks_per_chunk}
     engine = make_engine(extra, events=events)
     shared = prompt(1, 8)
-    engine.add("first", shared + [5, 6, 7])
+    engine.add("first", [*shared, 5, 6, 7])
     engine.run()
     if tiers == "fs":
         engine.drain_tiers()
         # Empty kvtier's primary tier too: the chunks must come back from the disk.
         engine.scheduler.reset_prefix_cache(reset_connector=True)
     engine.wipe_gpu()
-    engine.add("second", shared + [9, 9, 9, 9])
+    engine.add("second", [*shared, 9, 9, 9, 9])
     engine.run()
     assert engine.cached_at_start["second"] == 8 * TOKENS_PER_BLOCK
     assert engine.finished == {"first", "second"}
@@ -69,10 +76,10 @@ def test_a_load_may_start_inside_a_chunk(make_engine):
     # second block of chunk 1.
     engine = make_engine({"cpu_bytes_to_use": PRIMARY_BYTES, "blocks_per_chunk": 2})
     shared = prompt(2, 8)
-    engine.add("store", shared + [4])
+    engine.add("store", [*shared, 4])
     engine.run()
     engine.wipe_gpu()
-    engine.add("short", shared[: 3 * TOKENS_PER_BLOCK] + [8, 8])
+    engine.add("short", [*shared[: 3 * TOKENS_PER_BLOCK], 8, 8])
     engine.run()
     assert engine.cached_at_start["short"] == 2 * TOKENS_PER_BLOCK  # chunk 0 from kvtier
     skips: list[int] = []
@@ -84,7 +91,7 @@ def test_a_load_may_start_inside_a_chunk(make_engine):
         return submit_load(*args, skip_blocks=skip_blocks)
 
     kvtier_worker.submit_load = record
-    engine.add("long", shared + [7, 7, 7])
+    engine.add("long", [*shared, 7, 7, 7])
     engine.run()
     assert engine.cached_at_start["long"] == 8 * TOKENS_PER_BLOCK
     assert skips == [1]
@@ -107,7 +114,7 @@ def test_preempted_requests_resume_with_their_own_bytes(make_engine):
 def test_reset_with_a_store_in_flight_reuses_its_slots_only_once_flushed(make_engine):
     engine = make_engine({"cpu_bytes_to_use": PRIMARY_BYTES})
     shared = prompt(5, 6)
-    engine.add("first", shared + [3], max_tokens=4)
+    engine.add("first", [*shared, 3], max_tokens=4)
     engine.step()  # computes the prompt
     out = engine.scheduler.schedule()  # builds its store jobs: slots are being written
     jobs = engine.connector.connector_scheduler._jobs
@@ -119,7 +126,7 @@ def test_reset_with_a_store_in_flight_reuses_its_slots_only_once_flushed(make_en
     assert primary.num_held == 0
     engine.run()
     engine.wipe_gpu()
-    engine.add("again", shared + [9, 9])
+    engine.add("again", [*shared, 9, 9])
     engine.run()
     # The store after the reset put every chunk back: all six blocks load, byte-exact.
     assert engine.cached_at_start["again"] == 6 * TOKENS_PER_BLOCK

@@ -307,7 +307,7 @@ def test_a_partial_copy_must_name_the_chunks_it_spans(engine_id, gpu_ids, chunk_
 
 
 def test_wait_returns_once_the_named_jobs_completed(engine_id, gate):
-    spec, worker, kv = build(engine_id, engine=ThreadedCopyEngine(gate=gate), block_size=32)
+    spec, worker, _kv = build(engine_id, engine=ThreadedCopyEngine(gate=gate), block_size=32)
     try:
         worker.submit_store(7, [0, 1], [0])
         assert not worker.wait({7}, timeout=0.05)
