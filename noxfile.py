@@ -42,7 +42,7 @@ def typecheck(session: nox.Session) -> None:
 # them and its import-time dependencies come from a pin list known to import
 # vllm.v1.kv_offload and the offloading connector on a CPU-only machine.
 VLLM = "vllm==0.33.0"
-VLLM_PINS = "tests/vllm/pins.txt"
+VLLM_PINS = "tests/integrations/vllm/pins.txt"
 
 
 @nox.session
@@ -59,7 +59,7 @@ def vllm(session: nox.Session) -> None:
         "pytest",
         "-m",
         "vllm",
-        "tests/vllm",
+        "tests/integrations/vllm",
         *session.posargs,
         env={
             # A fresh cache per run: vLLM caches the model-architecture probe there, and
