@@ -79,9 +79,9 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 # How long an idle scheduler step waits for a tier completion before it steps again
-# (worker copies do not wake it): short next to a 16-chunk job's tens of milliseconds,
-# long enough not to spin on a two-core machine.
-_IDLE_WAIT_S = 0.001
+# (worker copies do not wake it), unless --idle-ms says otherwise: short next to a
+# 16-chunk job's tens of milliseconds, long enough not to spin on a two-core machine.
+_IDLE_WAIT_MS = 1.0
 # How often the worker thread polls for finished copies while some are in flight.
 _COPY_POLL_S = 0.0002
 
@@ -101,6 +101,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="an fs tier parameter (value as JSON, else a string), e.g. read_depth=8",
+    )
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=_IDLE_WAIT_MS,
+        help="how long a step that found nothing to do waits for a tier completion",
     )
     parser.add_argument("--lookups", type=int, default=2_000_000)
     parser.add_argument("--store-cycles", type=int, default=300_000)
@@ -128,7 +134,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.page_cache = "o_direct"
     else:
         args.stored = 100_000
-    for name in ("gib", "primary_gib", "chunk_mib"):
+    for name in ("gib", "primary_gib", "chunk_mib", "idle_ms"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     for name in ("job_chunks", "in_flight"):
@@ -351,8 +357,10 @@ class Scheduler:
         job_chunks: int,
         in_flight: int,
         timeout_s: float,
+        idle_s: float,
     ) -> None:
         self.manager = manager
+        self.idle_s = idle_s
         self.copier = copier
         self.job_chunks = job_chunks
         self.in_flight = in_flight
@@ -474,7 +482,7 @@ class Scheduler:
         self.manager.on_schedule_end()
         self.figures.steps += 1
         if not progressed:
-            self.manager.wait_for_completions_blocking(_IDLE_WAIT_S)
+            self.manager.wait_for_completions_blocking(self.idle_s)
 
 
 # ----------------------------------------------------------------------- the run
@@ -533,7 +541,9 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         on_loop(manager, start_probe)
         keys = chunk_keys(args.seed, count)
         requests = [keys[i : i + args.job_chunks] for i in range(0, count, args.job_chunks)]
-        scheduler = Scheduler(manager, copier, args.job_chunks, args.in_flight, args.timeout_s)
+        scheduler = Scheduler(
+            manager, copier, args.job_chunks, args.in_flight, args.timeout_s, args.idle_ms / 1e3
+        )
         try:
             cpu = time.process_time()
             probe.phase = "store"
@@ -604,6 +614,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "store_cpu_s": store_cpu,
         "load_cpu_s": load_cpu,
         "steps": figures.steps,
+        "steps_per_s": figures.steps / (store_s + load_s),
         "chunks": count,
         "chunk_bytes": chunk,
         "job_chunks": args.job_chunks,
