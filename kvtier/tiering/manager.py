@@ -650,6 +650,19 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             return tier_totals(self.metrics, [PRIMARY_LABEL, *self.tier_labels])
 
+    def promotion_latencies(self) -> dict[str, list[float]]:
+        """Measured promotion job latencies in seconds, by secondary tier label.
+
+        Each is one job's time from the lookup that found its first key in the tier
+        until its chunks were readable in the primary tier. A bounded uniform sample
+        (:class:`~kvtier.tiering.stats.Reservoir`): percentiles taken from it are
+        measured times, not the edges of histogram buckets.
+        """
+        with self.lock:
+            return {
+                state.label: state.counts.measured(Names.PROMOTION_LATENCY) for state in self._tiers
+            }
+
 
 def _launch_all(launches: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
     for launch, args in launches:
