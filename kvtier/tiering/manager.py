@@ -155,6 +155,8 @@ class TieringOffloadingManager(AsyncResource):
         #: Counts of the primary tier, and of the manager's unlabelled metrics.
         self._primary_counts = Counts(PRIMARY_LABEL)
         self._counts = Counts()
+        # A scrape of an idle engine sees current counts, not those of its last step.
+        self.metrics.pull_from(self._flush_for_collection)
 
     @property
     def region(self) -> SharedOffloadRegion | None:
@@ -517,8 +519,10 @@ class TieringOffloadingManager(AsyncResource):
         self._completions.wait_blocking(seq, timeout)
 
     async def drain(self) -> None:
-        """Send what the step queued, then resolve once nothing is in flight."""
+        """Send what the step queued, resolve once nothing is in flight, flush the metrics."""
         await self._settle(include_pins=False)
+        with self.lock:
+            self._flush_metrics()
 
     async def _settle(self, *, include_pins: bool) -> None:
         while True:
@@ -609,6 +613,7 @@ class TieringOffloadingManager(AsyncResource):
             if self._completions:
                 self._drain()
             self._flush_metrics()
+        self.metrics.pull_from(None)
         if self._region is not None:
             self._region.close()
 
@@ -644,6 +649,16 @@ class TieringOffloadingManager(AsyncResource):
         self._primary_counts.flush(metrics)
         for state in self._tiers:
             state.flush(metrics, primary.num_chunks)
+
+    def _flush_for_collection(self) -> None:
+        """A metrics collection begins, on any thread: flush what this step counted so far.
+
+        Only the flush runs under the lock (a few dozen Prometheus updates plus the
+        step's samples), so a scrape holds the scheduler up for no longer than a step's
+        end does.
+        """
+        with self.lock:
+            self._flush_metrics()
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Cumulative counts per tier label, for benchmarks and diagnostics."""
