@@ -4,12 +4,10 @@ combined over several runs, plotted on request."""
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
@@ -19,7 +17,6 @@ from kvtier.bench.replay import Replay, TimelinePoint
 from kvtier.bench.settings import BenchSettings
 from kvtier.bench.tiers import BENCH_TIERS
 from kvtier.bench.workloads import Workload
-from kvtier.metrics import Names
 
 __all__ = ["PRIMARY", "build_report", "combine", "plot", "print_report"]
 
@@ -35,13 +32,14 @@ def build_report(
     run: Replay,
     counts: Mapping[str, Mapping[str, float]],
     labels: Sequence[str],
-    metrics: CollectorRegistry,
+    promotions: Mapping[str, Sequence[float]],
     device: str,
 ) -> dict[str, Any]:
     """The report of one replay (see ``kvtier bench --json``), before its limits.
 
     ``counts`` are the manager's cumulative counts by tier label, ``labels`` the tiers
-    in lookup order (the primary tier first), ``metrics`` the run's Prometheus registry.
+    in lookup order (the primary tier first), ``promotions`` the measured promotion job
+    latencies in seconds by tier label (``manager.promotion_latencies()``).
     """
     requests = run.requests
     return {
@@ -65,7 +63,8 @@ def build_report(
             "store_ms": _percentiles(requests.store_s),
         },
         "tiers": [
-            _tier_entry(label, counts.get(label, {}), settings, run, metrics) for label in labels
+            _tier_entry(label, counts.get(label, {}), settings, run, promotions.get(label, ()))
+            for label in labels
         ],
         "loop_lag_ms": _percentiles(run.loop_lags),
         "timeline": run.timeline,
@@ -77,14 +76,14 @@ def _tier_entry(
     counts: Mapping[str, float],
     settings: BenchSettings,
     run: Replay,
-    metrics: CollectorRegistry,
+    promotions: Sequence[float],
 ) -> dict[str, Any]:
     queries, hits = counts.get("queries", 0.0), counts.get("hits", 0.0)
     written: float
     read: float
     write_gbps: float | None
     read_gbps: float | None
-    promotion: tuple[float | None, ...]
+    promotion: tuple[float | None, float | None]
     if label == PRIMARY:
         # The primary tier's bytes are the engine's: what it stored and loaded.
         written = run.requests.stored * settings.chunk_bytes
@@ -95,10 +94,11 @@ def _tier_entry(
         written, read = counts.get("bytes_written", 0.0), counts.get("bytes_read", 0.0)
         write_gbps = _active_gbps(run.timeline, label, "bytes_written")
         read_gbps = _active_gbps(run.timeline, label, "bytes_read")
-        promotion = tuple(
-            _histogram_quantile(metrics, Names.PROMOTION_LATENCY, {"tier": label}, q)
-            for q in (0.5, 0.99)
-        )
+        # Percentiles of measured job times: histogram buckets would only give edges.
+        if promotions:
+            promotion = (percentile(promotions, 0.5), percentile(promotions, 0.99))
+        else:
+            promotion = (None, None)
     return {
         "name": label,
         "queries": int(queries),
@@ -109,6 +109,7 @@ def _tier_entry(
         "write_gbps": write_gbps,
         "read_gbps": read_gbps,
         "promotion_ms": {"p50": _ms(promotion[0]), "p99": _ms(promotion[1])},
+        "promotion_jobs": len(promotions),
         "stores_dropped": int(counts.get("stores_dropped", 0.0)),
         "integrity_failures": int(counts.get("integrity_failures", 0.0)),
     }
@@ -131,30 +132,6 @@ def _active_gbps(
     return moved / max(end - start, 1e-9) / 1e9
 
 
-def _histogram_quantile(
-    metrics: CollectorRegistry, name: str, labels: Mapping[str, str], q: float
-) -> float | None:
-    """Upper bound of the bucket holding quantile ``q`` of a Prometheus histogram."""
-    buckets: list[tuple[float, float]] = []
-    for metric in metrics.collect():
-        for sample in metric.samples:
-            if sample.name != f"{name}_bucket":
-                continue
-            if any(sample.labels.get(k) != v for k, v in labels.items()):
-                continue
-            buckets.append((float(sample.labels["le"]), sample.value))
-    if not buckets:
-        return None
-    buckets.sort()
-    total = buckets[-1][1]
-    if total == 0:
-        return None
-    for bound, count in buckets:
-        if count >= q * total:
-            return bound
-    return math.inf
-
-
 def _percentiles(values: list[float]) -> dict[str, float]:
     return {
         "p50": round(percentile(values, 0.5) * 1e3, 3),
@@ -163,7 +140,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def _ms(seconds: float | None) -> float | None:
-    if seconds is None or math.isinf(seconds):
+    if seconds is None:
         return None
     return round(seconds * 1e3, 3)
 

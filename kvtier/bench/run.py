@@ -69,8 +69,9 @@ async def run_bench(
                 run = await replay(kv, engine, workload, settings, progress)
                 labels = [PRIMARY, *kv.manager.tier_labels]
                 counts = kv.manager.tier_stats()
+                promotions = kv.manager.promotion_latencies()
                 built = dict(zip(kv.manager.tier_labels, kv.manager.tiers, strict=True))
-            report = build_report(settings, workload, run, counts, labels, metrics, device())
+            report = build_report(settings, workload, run, counts, labels, promotions, device())
             report["duration_s"] = round(run.elapsed_s, 3)
             traffic = {entry["name"]: _traffic(entry) for entry in report["tiers"]}
             report["physical"], report["ratios"] = await measure_limits(

@@ -155,6 +155,8 @@ class TieringOffloadingManager(AsyncResource):
         #: Counts of the primary tier, and of the manager's unlabelled metrics.
         self._primary_counts = Counts(PRIMARY_LABEL)
         self._counts = Counts()
+        # A scrape of an idle engine sees current counts, not those of its last step.
+        self.metrics.pull_from(self._flush_for_collection)
 
     @property
     def region(self) -> SharedOffloadRegion | None:
@@ -546,8 +548,10 @@ class TieringOffloadingManager(AsyncResource):
         self._completions.wait_blocking(seq, timeout)
 
     async def drain(self) -> None:
-        """Send what the step queued, then resolve once nothing is in flight."""
+        """Send what the step queued, resolve once nothing is in flight, flush the metrics."""
         await self._settle(include_pins=False)
+        with self.lock:
+            self._flush_metrics()
 
     async def _settle(self, *, include_pins: bool) -> None:
         while True:
@@ -638,6 +642,7 @@ class TieringOffloadingManager(AsyncResource):
             if self._completions:
                 self._drain()
             self._flush_metrics()
+        self.metrics.pull_from(None)
         if self._region is not None:
             self._region.close()
 
@@ -674,10 +679,33 @@ class TieringOffloadingManager(AsyncResource):
         for state in self._tiers:
             state.flush(metrics, primary.num_chunks)
 
+    def _flush_for_collection(self) -> None:
+        """A metrics collection begins, on any thread: flush what this step counted so far.
+
+        Only the flush runs under the lock (a few dozen Prometheus updates plus the
+        step's samples), so a scrape holds the scheduler up for no longer than a step's
+        end does.
+        """
+        with self.lock:
+            self._flush_metrics()
+
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Cumulative counts per tier label, for benchmarks and diagnostics."""
         with self.lock:
             return tier_totals(self.metrics, [PRIMARY_LABEL, *self.tier_labels])
+
+    def promotion_latencies(self) -> dict[str, list[float]]:
+        """Measured promotion job latencies in seconds, by secondary tier label.
+
+        Each is one job's time from the lookup that found its first key in the tier
+        until its chunks were readable in the primary tier. A bounded uniform sample
+        (:class:`~kvtier.tiering.stats.Reservoir`): percentiles taken from it are
+        measured times, not the edges of histogram buckets.
+        """
+        with self.lock:
+            return {
+                state.label: state.counts.measured(Names.PROMOTION_LATENCY) for state in self._tiers
+            }
 
 
 def _launch_all(launches: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
