@@ -702,10 +702,20 @@ class TieringOffloadingManager(AsyncResource):
         (:class:`~kvtier.tiering.stats.Reservoir`): percentiles taken from it are
         measured times, not the edges of histogram buckets.
         """
+        return self._measured(Names.PROMOTION_LATENCY)
+
+    def promotion_job_times(self) -> dict[str, list[float]]:
+        """Measured promotion job times in seconds, by secondary tier label.
+
+        Each is one job's time from its start on the tier until its chunks were
+        readable: :meth:`promotion_latencies` less the wait for a free job (see the
+        ``max_promotion_jobs`` setting). A bounded uniform sample, as there.
+        """
+        return self._measured(Names.PROMOTION_JOB_TIME)
+
+    def _measured(self, name: str) -> dict[str, list[float]]:
         with self.lock:
-            return {
-                state.label: state.counts.measured(Names.PROMOTION_LATENCY) for state in self._tiers
-            }
+            return {state.label: state.counts.measured(name) for state in self._tiers}
 
 
 def _launch_all(launches: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:

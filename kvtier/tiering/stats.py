@@ -23,7 +23,7 @@ from kvtier.metrics import MetricsRecorder, Names
 __all__ = ["MEASURED", "TOTALS", "Counts", "Reservoir", "tier_totals"]
 
 #: Histogram names whose measured samples are kept for percentiles.
-MEASURED = frozenset({Names.PROMOTION_LATENCY})
+MEASURED = frozenset({Names.PROMOTION_LATENCY, Names.PROMOTION_JOB_TIME})
 
 
 class Reservoir:

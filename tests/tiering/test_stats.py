@@ -75,6 +75,11 @@ async def test_promotion_latencies_are_one_measured_time_per_job(engine_id):
         assert len(latencies) == len(before_flush) == 2  # flushed or not, counted once
         assert sorted(latencies) == sorted(before_flush)
         assert all(latency >= delay for latency in latencies)
+        # A job's own time starts when it went to the tier: within its latency.
+        job_times = manager.promotion_job_times()[label]
+        assert len(job_times) == 2
+        assert all(delay <= job_time for job_time in job_times)
+        assert sum(job_times) <= sum(latencies)
         count = manager.metrics.sample(f"{Names.PROMOTION_LATENCY}_count", {"tier": label})
         assert count == 2
     finally:
