@@ -74,6 +74,14 @@ class OffloadingWorker(AsyncResource):
 
     ``gpu_block_ids`` lists ``blocks_per_chunk`` GPU block ids per chunk, in order;
     ``chunk_ids`` one primary slot per chunk.
+
+    ``kv_caches`` are this rank's KV tensors, all with as many blocks and together
+    ``kv_bytes_per_block`` bytes per block: each with the block index first and each
+    block's bytes contiguous, or vLLM's per-layer ``(2, num_blocks, ...)`` tensors,
+    which are read as their K and V halves (:mod:`kvtier.worker.layout`).
+
+    Raises:
+        ValueError: ``kv_caches`` fit neither layout; the message says what to pass.
     """
 
     def __init__(
@@ -86,6 +94,13 @@ class OffloadingWorker(AsyncResource):
     ) -> None:
         self.region = region
         self.layout = ColumnLayout(kv_caches, region.worker_column(), blocks_per_chunk)
+        if self.layout.split_kv:
+            logger.info(
+                "rank %s: %d KV tensors read as vLLM's (2, num_blocks, ...) layout, "
+                "each split into its K and V",
+                region.rank,
+                len(kv_caches),
+            )
         if engine is None:
             engine = _default_engine(region, self.layout)
         self.engine = engine

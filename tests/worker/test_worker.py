@@ -105,7 +105,7 @@ def test_a_load_must_not_write_one_gpu_block_twice(engine_id):
 
 def test_kv_tensors_must_match_kv_bytes_per_block(engine_id):
     spec = OffloadingSpecFactory.create_spec(make_config(engine_id, kv_bytes_per_block=8192))
-    with pytest.raises(ValueError, match=r"hold 4096 bytes per GPU block.*kv_bytes_per_block"):
+    with pytest.raises(ValueError, match=r"kv_bytes_per_block=8192.*hold 4096 bytes per block"):
         spec.create_worker(kv_tensors())
     spec.shutdown()
 
