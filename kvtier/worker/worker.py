@@ -106,7 +106,9 @@ class OffloadingWorker(AsyncResource):
         self.engine = engine
         self.engine.bind(self.layout)
         self._finished: deque[TransferResult] = deque()
-        self._waiters: dict[str, _Waiter] = {}
+        # Started now for the two lanes every engine has: a thread started while a copy
+        # thread runs waits for the GIL (up to the switch interval) on the caller's side.
+        self._waiters: dict[str, _Waiter] = {lane: _Waiter(lane) for lane in (STORE, LOAD)}
         self._inflight = 0
         self._idle = threading.Condition()
         self._ids = itertools.count(1 << 62)
@@ -225,8 +227,16 @@ class OffloadingWorker(AsyncResource):
 
         with self._idle:
             self._inflight += 1
-        if event is COMPLETED or event.query():
+        if event is COMPLETED:
             finish(None)
+            return
+        if event.query():
+            try:
+                event.synchronize()  # done: returns at once, or raises what failed
+            except BaseException as exc:  # the job failed; reported, not raised
+                finish(exc)
+            else:
+                finish(None)
             return
         waiter = self._waiters.get(event.lane)
         if waiter is None:
