@@ -70,6 +70,7 @@ from common import LagProbe, percentile
 from scheduler import measure_scheduler
 
 from kvtier import (
+    ConfigError,
     LookupResult,
     OffloadingConfig,
     OffloadingSpecFactory,
@@ -756,6 +757,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     root = Path(tempfile.mkdtemp(prefix="kvtier-serving-", dir=args.root))
     try:
         figures = run(args, root)
+    except ConfigError as exc:  # a bad --tier-option: say which, without a traceback
+        raise SystemExit(f"serving_path.py: {exc}") from None
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rates = measure_scheduler(args.lookups, args.store_cycles, stored=args.stored)

@@ -56,3 +56,16 @@ def test_bad_sizes_are_refused_with_the_flag_named():
     )
     assert done.returncode == 2
     assert "--in-flight must be at least 1" in done.stderr
+
+
+def test_an_unknown_tier_option_is_named_without_a_traceback(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--root", str(tmp_path), "--tier-option", "x=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "secondary_tiers[0].x: unknown setting" in done.stderr
+    assert "Traceback" not in done.stderr
