@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import enum
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from kvtier.bench import BenchSettings
+    from kvtier.specs.cpu import CPUOffloadingSpec
 
 __all__ = ["main"]
 
@@ -383,14 +385,93 @@ def _plan(args: argparse.Namespace) -> int:
         "eviction_policy": spec.eviction_policy,
         "tokens_cached": geometry.num_chunks * geometry.tokens_per_chunk,
     }
+    tiers = _plan_tiers(spec)
     if args.json:
-        print(json.dumps(plan, indent=2))
-    else:
-        width = max(len(key) for key in plan)
-        for key, value in plan.items():
-            shown = f"{value:,}" if isinstance(value, int) else str(value)
-            print(f"{key:<{width}}  {shown}")
+        print(json.dumps({**plan, "tiers": tiers}, indent=2))
+        return 0
+    width = max(len(key) for key in plan)
+    for key, value in plan.items():
+        shown = f"{value:,}" if isinstance(value, int) else str(value)
+        print(f"{key:<{width}}  {shown}")
+    print(f"{'tiers':<{width}}  {len(tiers) or 'none (the primary tier only)'}")
+    for tier in tiers:
+        print(f"tier {tier['label']}  {tier['class']} ({tier['locality']})")
+        rows = {key: tier[key] for key in _RUNNER_FIELDS}
+        rows["backpressure"] = tier["backpressure"] or "off"
+        if tier["settings"] is not None:
+            rows.update(tier["settings"])
+        else:
+            rows["parameters"] = (
+                f"{', '.join(tier['parameters']) or 'none'} (read by the tier when it is built)"
+            )
+        row_width = max(len(key) for key in rows)
+        for key, value in rows.items():
+            print(f"  {key:<{row_width}}  {_plain(value)}")
     return 0
+
+
+_RUNNER_FIELDS = ("max_concurrent_jobs", "job_timeout_s", "lookup_timeout_s", "shutdown_grace_s")
+
+
+def _plan_tiers(spec: CPUOffloadingSpec) -> list[dict[str, Any]]:
+    """Each secondary tier as the engine will build it, its settings parsed, nothing opened.
+
+    The settings come from the tier's own ``settings_class.from_params``, the function
+    the tier runs when it is built, so what is shown is what the engine will use.
+    """
+    from kvtier.specs.tiering import TieringOffloadingSpec
+    from kvtier.tiers.factory import SecondaryTierFactory
+
+    if not isinstance(spec, TieringOffloadingSpec):
+        return []
+    tiers = []
+    for i, (tier_config, tier_class, options) in enumerate(
+        zip(spec.tier_configs, spec.tier_classes, spec.tier_options, strict=True)
+    ):
+        path = f"secondary_tiers[{i}]"
+        params = SecondaryTierFactory.tier_params(tier_config)
+        settings_class = tier_class.settings_class
+        settings = None if settings_class is None else settings_class.from_params(params, path)
+        name = tier_config.get("name") or tier_config["type"]
+        tiers.append(
+            {
+                "label": f"{i + 1}:{name}",
+                "type": tier_config["type"],
+                "class": f"{tier_class.__module__}.{tier_class.__qualname__}",
+                "locality": tier_config.get("locality", tier_class.locality),
+                **{key: getattr(options.runner, key) for key in _RUNNER_FIELDS},
+                "backpressure": _jsonable(options.backpressure),
+                "settings": _jsonable(settings),
+                # Only the names of what a tier without settings reads itself: its
+                # values may hold credentials under names no redaction knows.
+                "parameters": sorted(params) if settings is None else None,
+            }
+        )
+    return tiers
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON-ready data, credentials hidden."""
+    from kvtier._secrets import Secret
+
+    if isinstance(value, Secret):
+        return "<hidden>"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def _plain(value: Any) -> str:
+    """A setting's value in the text plan: strings bare (unless empty), the rest as JSON."""
+    return value if isinstance(value, str) and value else json.dumps(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
