@@ -122,8 +122,14 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--root",
         type=Path,
-        help="working directory: the fs tier, the local S3 server's data (default: a "
-        "temporary one)",
+        help="working directory: the fs tier (ROOT/fs), the local S3 server's data "
+        "(ROOT/s3); new or empty unless --reuse-root; created if missing, its parent "
+        "never (default: a temporary one, removed after the run)",
+    )
+    bench.add_argument(
+        "--reuse-root",
+        action="store_true",
+        help="start from the cache an earlier run left in --root (a warm start: more hits)",
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
@@ -201,6 +207,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from kvtier.bench import BENCH_TIERS, WORKLOADS, BenchSettings
     from kvtier.bench.report import combine, plot, print_report
+    from kvtier.bench.run import check_root
 
     known = BENCH_TIERS.names()
     tiers = tuple(name.strip() for name in args.tiers.split(",") if name.strip())
@@ -218,6 +225,13 @@ def _bench(args: argparse.Namespace) -> int:
             _fail("--plot needs matplotlib: pip install 'kvtier[plot]'")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         _fail(f"--metrics-port must be a TCP port, got {args.metrics_port}")
+    if args.reuse_root and args.root is None:
+        _fail("--reuse-root needs --root: the default working directory is always new")
+    if args.root is not None:
+        try:
+            check_root(args.root, args.reuse_root)
+        except ValueError as exc:
+            _fail(str(exc))
     extra = _read_json_object(args.config) if args.config is not None else {}
     settings = BenchSettings(
         tiers=tiers,
@@ -229,6 +243,7 @@ def _bench(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         duration_s=args.duration,
         root_dir=args.root,
+        reuse_root=args.reuse_root,
         seed=args.seed,
     )
     in_flight = settings.concurrency * settings.max_prompt_chunks * settings.chunk_bytes
@@ -283,6 +298,10 @@ async def _run_workloads(
     try:
         for name in names:
             run_settings = dataclasses.replace(settings, workload=name)
+            if settings.root_dir is not None and len(names) > 1:
+                # One directory per workload: none may measure another's cache.
+                settings.root_dir.mkdir(exist_ok=True)
+                run_settings.root_dir = settings.root_dir / name
             with Progress(
                 TextColumn(f"[bold]{name}"),
                 BarColumn(),

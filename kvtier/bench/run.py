@@ -58,7 +58,7 @@ async def run_bench(
     metrics = registry if registry is not None else CollectorRegistry()
     # A secondary_tiers list of the user's own replaces what --tiers would start.
     names = () if "secondary_tiers" in settings.extra_config else settings.tiers
-    with _workspace(settings.root_dir) as root:
+    with _workspace(settings.root_dir, settings.reuse_root) as root:
         async with _start_tiers(names, settings, root, tiers) as local:
             config = bench_config(settings, [tier.config for tier in local])
             gpu_blocks = settings.max_prompt_chunks * (settings.concurrency + 1)
@@ -116,10 +116,40 @@ def _traffic(entry: dict[str, Any]) -> TierTraffic:
 
 
 @contextlib.contextmanager
-def _workspace(root_dir: Path | None) -> Iterator[Path]:
-    if root_dir is not None:
-        root_dir.mkdir(parents=True, exist_ok=True)
-        yield root_dir
+def _workspace(root_dir: Path | None, reuse: bool) -> Iterator[Path]:
+    if root_dir is None:
+        with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as directory:
+            yield Path(directory)
         return
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as directory:
-        yield Path(directory)
+    check_root(root_dir, reuse)
+    root_dir.mkdir(exist_ok=True)
+    yield root_dir
+
+
+def check_root(root_dir: Path, reuse: bool) -> None:
+    """Refuse a ``--root`` that would mix this run with what is there already.
+
+    A directory holding anything would hand this run an earlier run's cache (its hit
+    rate measuring that run, not this one) unless ``reuse`` says that is the point. A
+    missing ``root_dir`` is created, but never its parents: a mistyped path must not
+    leave gigabytes somewhere nobody looks.
+
+    Raises:
+        ValueError: ``root_dir`` is a file, is not empty (and ``reuse`` is false), or
+            its parent does not exist.
+    """
+    if root_dir.is_dir():
+        if not reuse and any(root_dir.iterdir()):
+            raise ValueError(
+                f"--root {root_dir} is not empty: this run would measure what an earlier "
+                "one left there; name a new or empty directory, or pass --reuse-root to "
+                "start from that cache on purpose"
+            )
+        return
+    if root_dir.exists():
+        raise ValueError(f"--root {root_dir} is not a directory")
+    if not root_dir.parent.is_dir():
+        raise ValueError(
+            f"--root {root_dir}: {root_dir.parent} does not exist (kvtier bench creates "
+            "--root itself, never its parents)"
+        )

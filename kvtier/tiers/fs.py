@@ -94,7 +94,8 @@ class FsSettings:
     """The fs tier's parameters (``{"type": "fs", "root_dir": ...}``)."""
 
     #: The directory under which each namespace gets a directory of its own. Required;
-    #: ``~`` is expanded when the tier is built. Created at start if it is missing.
+    #: ``~`` is expanded when the tier is built. Created at start if it is missing, but
+    #: only if its parent exists: a missing parent is an error.
     root_dir: Path
     #: Bytes of chunk files the tier keeps; beyond it the least recently used files are
     #: removed. None (the default): no limit but the filesystem's.
@@ -192,6 +193,7 @@ class FileSystemTier(SecondaryTier):
     async def start(self) -> None:
         self._readers = anyio.CapacityLimiter(self.settings.read_depth)
         self._writers = anyio.CapacityLimiter(self.settings.write_depth)
+        await self._check_root_dir()
         await aiofiles.os.makedirs(self.directory, exist_ok=True)
         await self._check_namespace_file()
         self.o_direct = await self._probe_o_direct()
@@ -202,6 +204,25 @@ class FileSystemTier(SecondaryTier):
         # The scan runs in a thread that cannot be interrupted: let it end.
         await self._tasks.wait()
         await self._tasks.aclose()
+
+    async def _check_root_dir(self) -> None:
+        """A missing ``root_dir`` is created, as a cache directory is; its parents never.
+
+        A missing parent is most often a mistyped path or a volume that is not mounted:
+        creating it would fill a disk nobody watches.
+        """
+        root = self.settings.root_dir.expanduser()
+        if await aiofiles.os.path.isdir(root):
+            return
+        path = f"{self.ctx.config_path}.root_dir"
+        if await aiofiles.os.path.exists(root):
+            raise ConfigError(path, f"{root} is not a directory")
+        if not await aiofiles.os.path.isdir(root.parent):
+            raise ConfigError(
+                path,
+                f"{root.parent} does not exist: the fs tier creates root_dir, never its "
+                "parents (create them, or fix the path)",
+            )
 
     async def _check_namespace_file(self) -> None:
         path = self.directory / NAMESPACE_FILE

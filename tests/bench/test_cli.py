@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvtier_cli import SMALL_BENCH, kvtier
 
 from kvtier.bench.report import plot
 from kvtier.bench.workloads import WORKLOADS
@@ -185,3 +186,41 @@ def test_inspect_lists_and_verifies_an_fs_root(tmp_path, capsys):
     assert main(["inspect", str(root / "fs"), "--verify"]) == 1
     out = capsys.readouterr().out
     assert "payload checksum mismatch" in out and "1 bad" in out
+
+
+# --------------------------------------------------- the working directory (--root)
+
+
+def test_a_second_run_in_one_root_is_refused_unless_asked_to_reuse_it(tmp_path):
+    root = tmp_path / "root"
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    args = ["bench", *SMALL_BENCH, "--workload", "no-reuse", "--root", str(root)]
+    assert kvtier(*args, "--json", str(first)).returncode == 0
+    refused = kvtier(*args)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert f"--root {root} is not empty" in refused.stderr and "--reuse-root" in refused.stderr
+    reused = kvtier(*args, "--reuse-root", "--json", str(second))
+    assert reused.returncode == 0, reused.stderr
+    # The same prompts again, from the first run's cache: what reuse is for.
+    assert json.loads(first.read_text())["requests"]["chunk_hit_rate"] == 0.0
+    assert json.loads(second.read_text())["requests"]["chunk_hit_rate"] > 0.5
+
+
+def test_a_root_whose_parent_is_missing_is_refused_and_nothing_created(tmp_path):
+    root = tmp_path / "missing" / "deep" / "root"
+    result = kvtier("bench", *SMALL_BENCH, "--root", str(root))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert f"{root.parent} does not exist" in result.stderr
+    assert not (tmp_path / "missing").exists()
+
+
+def test_an_fs_tier_whose_root_dir_parent_is_missing_is_refused_by_its_key(tmp_path):
+    config = tmp_path / "extra.json"
+    missing = tmp_path / "missing" / "cache"
+    config.write_text(json.dumps({"secondary_tiers": [{"type": "fs", "root_dir": str(missing)}]}))
+    result = kvtier("bench", *SMALL_BENCH, "--config", str(config))
+    assert result.returncode == 2
+    assert f"kvtier: error: secondary_tiers[0].root_dir: {missing.parent} does not exist" in (
+        result.stderr
+    )
+    assert not missing.parent.exists()
