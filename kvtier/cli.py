@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import enum
 import json
+import logging
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -202,6 +203,30 @@ def _read_json_object(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------- bench
 
 
+class _StderrLog(logging.Handler):
+    """Library warnings (a failing tier's) on stderr, one line each, no traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from kvtier._logs import describe_error
+
+        text = f"kvtier: {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f": {describe_error(record.exc_info[1])}"
+        # sys.stderr as it is now: a host (or a test) may have replaced it.
+        print(text, file=sys.stderr, flush=True)
+
+
+_STDERR_LOG = _StderrLog(logging.WARNING)
+
+
+def _log_to_stderr() -> None:
+    library = logging.getLogger("kvtier")
+    if _STDERR_LOG not in library.handlers:
+        library.addHandler(_STDERR_LOG)
+    if library.level == logging.NOTSET:
+        library.setLevel(logging.WARNING)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -257,6 +282,7 @@ def _bench(args: argparse.Namespace) -> int:
     # Wide enough for the tier table when stderr is a file or a pipe (rich assumes 80).
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    _log_to_stderr()
     try:
         reports = asyncio.run(_run_workloads(settings, names, args, console))
     except KVTierError as exc:
@@ -270,8 +296,15 @@ def _bench(args: argparse.Namespace) -> int:
         args.json_path.write_text(json.dumps(result, indent=2) + "\n")
     if args.plot is not None:
         plot(reports, args.plot)
+    several = len(reports) > 1
+    for kind in ("warning", "error"):
+        for report in reports:
+            for line in report[f"{kind}s"]:
+                where = f"{report['workload']}: " if several else ""
+                print(f"kvtier: {kind}: {where}{line}", file=sys.stderr)
     wrong = sum(report["requests"]["wrong_chunks"] for report in reports)
-    return 1 if wrong else 0
+    failed = any(report["errors"] for report in reports)
+    return 1 if wrong or failed else 0
 
 
 async def _run_workloads(

@@ -21,7 +21,7 @@ from kvtier.bench.tiers import BENCH_TIERS
 from kvtier.bench.workloads import Workload
 from kvtier.metrics import Names
 
-__all__ = ["PRIMARY", "build_report", "combine", "plot", "print_report"]
+__all__ = ["PRIMARY", "build_report", "combine", "plot", "print_report", "tier_problems"]
 
 GB = 1e9
 MIB = 1 << 20
@@ -111,7 +111,47 @@ def _tier_entry(
         "promotion_ms": {"p50": _ms(promotion[0]), "p99": _ms(promotion[1])},
         "stores_dropped": int(counts.get("stores_dropped", 0.0)),
         "integrity_failures": int(counts.get("integrity_failures", 0.0)),
+        "lookup_failures": int(counts.get("lookup_failures", 0.0)),
+        "cascade_failures": int(counts.get("cascade_failures", 0.0)),
+        "promotion_failures": int(counts.get("promotion_failures", 0.0)),
     }
+
+
+def tier_problems(
+    tiers: Sequence[Mapping[str, Any]], reasons: Mapping[str, str]
+) -> tuple[list[str], list[str]]:
+    """``(errors, warnings)``: one line per tier that failed everything, or some things.
+
+    A tier fails the run when every lookup it was asked failed, or every cascade or
+    promotion it ran failed: its figures then measure nothing. ``reasons`` hold the
+    first problem each tier logged, by label.
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    for tier in tiers:
+        label = tier["name"]
+        total: list[str] = []
+        partial: list[str] = []
+        lookups, failed = tier["queries"], tier["lookup_failures"]
+        if failed:
+            (total if failed >= lookups else partial).append(
+                f"every lookup ({failed:,} chunks)"
+                if failed >= lookups
+                else f"{failed:,} of {lookups:,} chunk lookups"
+            )
+        for kind, moved in (("cascade", "bytes_written"), ("promotion", "bytes_read")):
+            jobs = tier[f"{kind}_failures"]
+            if jobs:
+                (total if not tier[moved] else partial).append(
+                    f"every {kind} ({jobs:,} jobs)" if not tier[moved] else f"{jobs:,} {kind}s"
+                )
+        reason = reasons.get(label)
+        because = f": {reason}" if reason else ""
+        if total:
+            errors.append(f"tier {label} failed {' and '.join(total + partial)}{because}")
+        elif partial:
+            warnings.append(f"tier {label} failed {' and '.join(partial)}{because}")
+    return errors, warnings
 
 
 def _active_gbps(
@@ -250,6 +290,20 @@ def print_report(
         )
 
 
+#: The per-tier counts :func:`combine` adds up over runs.
+_SUMMED = (
+    "queries",
+    "hits",
+    "bytes_written",
+    "bytes_read",
+    "stores_dropped",
+    "integrity_failures",
+    "lookup_failures",
+    "cascade_failures",
+    "promotion_failures",
+)
+
+
 def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One object for several runs: per-run reports, totals per tier, the worst lag."""
     tiers: dict[str, dict[str, Any]] = {}
@@ -257,26 +311,9 @@ def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for tier in report["tiers"]:
             total = tiers.setdefault(
                 tier["name"],
-                {
-                    "name": tier["name"],
-                    "queries": 0,
-                    "hits": 0,
-                    "bytes_written": 0,
-                    "bytes_read": 0,
-                    "stores_dropped": 0,
-                    "integrity_failures": 0,
-                    "_w": 0.0,
-                    "_r": 0.0,
-                },
+                {"name": tier["name"], **dict.fromkeys(_SUMMED, 0), "_w": 0.0, "_r": 0.0},
             )
-            for field in (
-                "queries",
-                "hits",
-                "bytes_written",
-                "bytes_read",
-                "stores_dropped",
-                "integrity_failures",
-            ):
+            for field in _SUMMED:
                 total[field] += tier[field]
             # Bytes-weighted means of the runs' rates.
             total["_w"] += (tier["write_gbps"] or 0.0) * tier["bytes_written"]
@@ -296,6 +333,8 @@ def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
         },
         "physical": bandwidth.get("physical", {}),
         "ratios": bandwidth.get("ratios", {}),
+        "errors": [f"{r['workload']}: {line}" for r in reports for line in r.get("errors", [])],
+        "warnings": [f"{r['workload']}: {line}" for r in reports for line in r.get("warnings", [])],
         "runs": list(reports),
     }
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -20,11 +22,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvtier._logs import describe_error
 from kvtier.bench.engine import Engine, copy_engine, device, kv_caches
 from kvtier.bench.limits import measure_limits
 from kvtier.bench.registry import BenchTierRegistry, LocalTier, TierTraffic
 from kvtier.bench.replay import Progress, replay
-from kvtier.bench.report import PRIMARY, build_report
+from kvtier.bench.report import PRIMARY, build_report, tier_problems
 from kvtier.bench.settings import BenchSettings, bench_config
 from kvtier.bench.tiers import BENCH_TIERS
 from kvtier.bench.workloads import WorkloadSize, build_workload
@@ -58,7 +61,7 @@ async def run_bench(
     metrics = registry if registry is not None else CollectorRegistry()
     # A secondary_tiers list of the user's own replaces what --tiers would start.
     names = () if "secondary_tiers" in settings.extra_config else settings.tiers
-    with _workspace(settings.root_dir, settings.reuse_root) as root:
+    with _workspace(settings.root_dir, settings.reuse_root) as root, _tier_problems() as problems:
         async with _start_tiers(names, settings, root, tiers) as local:
             config = bench_config(settings, [tier.config for tier in local])
             gpu_blocks = settings.max_prompt_chunks * (settings.concurrency + 1)
@@ -72,6 +75,7 @@ async def run_bench(
                 built = dict(zip(kv.manager.tier_labels, kv.manager.tiers, strict=True))
             report = build_report(settings, workload, run, counts, labels, metrics, device())
             report["duration_s"] = round(run.elapsed_s, 3)
+            report["errors"], report["warnings"] = tier_problems(report["tiers"], problems.reasons)
             traffic = {entry["name"]: _traffic(entry) for entry in report["tiers"]}
             report["physical"], report["ratios"] = await measure_limits(
                 {label: (tier, traffic[label]) for label, tier in built.items()},
@@ -107,6 +111,39 @@ async def _until_ready(local: Sequence[LocalTier], built: Sequence[SecondaryTier
         if time.monotonic() > deadline:
             return  # the run shows what the tier knew by then: fewer hits there
         await asyncio.sleep(_READY_POLL_S)
+
+
+class _FirstProblems(logging.Handler):
+    """The first warning each tier logs during a run, by label: why it failed.
+
+    The tiers' runners log each kind of failure as ``tier <label>: <what happened>``.
+    """
+
+    _PREFIX = re.compile(r"tier (\d+:[^:]+): (.+)", re.S)
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = self._PREFIX.fullmatch(record.getMessage())
+        if found is None or found.group(1) in self.reasons:
+            return
+        reason = found.group(2).splitlines()[0]
+        if record.exc_info and record.exc_info[1] is not None:
+            reason += f": {describe_error(record.exc_info[1])}"
+        self.reasons[found.group(1)] = reason
+
+
+@contextlib.contextmanager
+def _tier_problems() -> Iterator[_FirstProblems]:
+    handler = _FirstProblems()
+    library = logging.getLogger("kvtier")
+    library.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        library.removeHandler(handler)
 
 
 def _traffic(entry: dict[str, Any]) -> TierTraffic:

@@ -224,3 +224,68 @@ def test_an_fs_tier_whose_root_dir_parent_is_missing_is_refused_by_its_key(tmp_p
         result.stderr
     )
     assert not missing.parent.exists()
+
+
+# ------------------------------------------------------------ a tier that fails
+
+BROKEN_TIER = '''
+from kvtier import SecondaryTier
+
+
+class UnreachableTier(SecondaryTier):
+    """Every call fails, as a tier behind a refused connection does."""
+
+    async def lookup(self, keys):
+        raise ConnectionRefusedError(111, "Connection refused (127.0.0.1:9)")
+
+    async def store(self, job):
+        raise ConnectionRefusedError(111, "Connection refused (127.0.0.1:9)")
+
+    async def load(self, job):
+        raise ConnectionRefusedError(111, "Connection refused (127.0.0.1:9)")
+'''
+
+
+def test_a_run_whose_tier_failed_everything_exits_1_saying_why_in_one_line(tmp_path):
+    (tmp_path / "unreachable_tier.py").write_text(BROKEN_TIER)
+    config = tmp_path / "extra.json"
+    tier = {"type": "UnreachableTier", "module_path": "unreachable_tier"}
+    config.write_text(json.dumps({"secondary_tiers": [tier]}))
+    out = tmp_path / "report.json"
+    result = kvtier(
+        "bench", *SMALL_BENCH, "--workload", "no-reuse", "--config", str(config),
+        "--json", str(out), env={"PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("kvtier: error:")]
+    assert line.startswith("kvtier: error: tier 1:UnreachableTier failed every lookup ("), line
+    assert "and every cascade (" in line and "ConnectionRefusedError" in line
+    report = json.loads(out.read_text())
+    assert report["errors"] == [line.removeprefix("kvtier: error: ")]
+    broken = report["tiers"][1]
+    assert broken["lookup_failures"] == broken["queries"] > 0
+    assert broken["cascade_failures"] > 0 and broken["bytes_written"] == 0
+
+
+def test_a_run_whose_tiers_all_answered_reports_no_errors(tmp_path):
+    report = run_bench(tmp_path, "--workload", "no-reuse")
+    assert report["errors"] == [] and report["warnings"] == []
+    assert report["tiers"][1]["lookup_failures"] == report["tiers"][1]["cascade_failures"] == 0
+
+
+def test_an_s3_endpoint_nobody_listens_on_stops_the_run_before_it_starts(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a loopback port that was free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "extra.json"
+    tier = {
+        "type": "s3", "bucket": "kv-cache", "endpoint_url": f"http://127.0.0.1:{port}",
+        "access_key_id": "key", "secret_access_key": "secret", "retry_attempts": 0,
+    }  # fmt: skip
+    config.write_text(json.dumps({"secondary_tiers": [tier]}))
+    result = kvtier("bench", *SMALL_BENCH, "--config", str(config))
+    assert result.returncode == 2
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("kvtier: error:")]
+    assert f"tier 1:s3: cannot reach bucket 'kv-cache' at http://127.0.0.1:{port}" in line
