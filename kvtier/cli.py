@@ -6,19 +6,23 @@
   every chunk file's checksum.
 - ``kvtier plan`` checks a configuration and prints the primary region it describes.
 
-Progress and tables go to stderr; every error is one line on stderr and exit code 2.
+Reports go to stdout; progress, warnings and errors to stderr (without a terminal, a
+flushed line per phase). A bad argument or configuration is one line on stderr and exit
+code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import json
 import logging
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -142,7 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
-    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     inspect = commands.add_parser(
         "inspect",
@@ -231,7 +235,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvtier.bench import BENCH_TIERS, WORKLOADS, BenchSettings
-    from kvtier.bench.report import combine, plot, print_report
+    from kvtier.bench.report import combine, plot
     from kvtier.bench.run import check_root
 
     known = BENCH_TIERS.names()
@@ -279,8 +283,8 @@ def _bench(args: argparse.Namespace) -> int:
             "--max-prompt-chunks x --chunk-mib): promotions will find no free slot and miss",
             file=sys.stderr,
         )
-    # Wide enough for the tier table when stderr is a file or a pipe (rich assumes 80).
-    console = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    # Reports on stdout (to keep or pipe), progress and problems on stderr.
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140)
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     _log_to_stderr()
     try:
@@ -289,8 +293,6 @@ def _bench(args: argparse.Namespace) -> int:
         _fail(str(exc))
     except ValueError as exc:
         _fail(str(exc))
-    for report in reports:
-        print_report(report, console)
     result = reports[0] if len(reports) == 1 else combine(reports)
     if args.json_path is not None:
         args.json_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -303,6 +305,8 @@ def _bench(args: argparse.Namespace) -> int:
                 where = f"{report['workload']}: " if several else ""
                 print(f"kvtier: {kind}: {where}{line}", file=sys.stderr)
     wrong = sum(report["requests"]["wrong_chunks"] for report in reports)
+    if wrong:
+        print(f"kvtier: error: {wrong:,} chunks were served with wrong bytes", file=sys.stderr)
     failed = any(report["errors"] for report in reports)
     return 1 if wrong or failed else 0
 
@@ -311,16 +315,9 @@ async def _run_workloads(
     settings: BenchSettings, names: list[str], args: argparse.Namespace, console: Console
 ) -> list[dict[str, Any]]:
     from prometheus_client import CollectorRegistry, start_http_server
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TaskID,
-        TextColumn,
-        TimeElapsedColumn,
-    )
 
     from kvtier.bench import run_bench
+    from kvtier.bench.report import print_report
 
     registry = CollectorRegistry()
     server = None
@@ -335,33 +332,79 @@ async def _run_workloads(
                 # One directory per workload: none may measure another's cache.
                 settings.root_dir.mkdir(exist_ok=True)
                 run_settings.root_dir = settings.root_dir / name
-            with Progress(
-                TextColumn(f"[bold]{name}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("hit {task.fields[hit]}"),
-                TimeElapsedColumn(),
-                console=console,
-                disable=args.quiet,
-                transient=True,
-            ) as bar:
-                task = bar.add_task(name, total=None, hit="-")
-
-                def advance(
-                    done: int, total: int, hits: int, _task: TaskID = task, _bar: Progress = bar
-                ) -> None:
-                    _bar.update(_task, completed=done, total=total, hit=f"{hits} chunks")
-
-                # Each run gets its own registry: metric names repeat across runs.
-                run_registry = registry if len(names) == 1 else CollectorRegistry()
-                reports.append(
-                    await run_bench(run_settings, progress=advance, registry=run_registry)
+            # Each run gets its own registry: metric names repeat across runs.
+            run_registry = registry if len(names) == 1 else CollectorRegistry()
+            with _progress(name, args.quiet) as (advance, phase):
+                report = await run_bench(
+                    run_settings, progress=advance, registry=run_registry, phase=phase
                 )
+                phase(f"done in {report['duration_s']:.1f} s")
+            reports.append(report)
+            # Each run's tables as soon as it ends: --workload all takes minutes.
+            print_report(report, console)
+            console.file.flush()
     finally:
         if server is not None:
             server.shutdown()
             server.server_close()
     return reports
+
+
+_Advance = Callable[[int, int, int], None]
+_Phase = Callable[[str], None]
+
+
+@contextlib.contextmanager
+def _progress(workload: str, quiet: bool) -> Iterator[tuple[_Advance, _Phase]]:
+    """How a run shows its progress on stderr: ``(advance, phase)`` callbacks.
+
+    On a terminal, a bar that phases relabel; otherwise (CI, a pipe, a log file) a
+    flushed line per phase and per tenth of the requests, so a log shows a long run
+    moving. Nothing with ``quiet``.
+    """
+    if quiet:
+        yield (lambda done, total, hits: None), (lambda text: None)
+        return
+    if not sys.stderr.isatty():
+        started = time.monotonic()
+        shown = 0
+
+        def line(text: str) -> None:
+            elapsed = time.monotonic() - started
+            print(
+                f"kvtier bench: {workload}: {text} [{elapsed:.0f} s]", file=sys.stderr, flush=True
+            )
+
+        def tenths(done: int, total: int, hits: int) -> None:
+            nonlocal shown
+            tenth = done * 10 // max(total, 1)
+            if tenth > shown:
+                shown = tenth
+                line(f"{done:,} of {total:,} requests served, {hits:,} chunks hit")
+
+        yield tenths, line
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn(f"[bold]{workload}[/] {{task.description}}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("hit {task.fields[hit]}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=None, hit="-")
+
+        def advance(done: int, total: int, hits: int) -> None:
+            bar.update(task, completed=done, total=total, hit=f"{hits} chunks")
+
+        def relabel(text: str) -> None:
+            bar.update(task, description=text)
+
+        yield advance, relabel
 
 
 # ------------------------------------------------------------------- inspect

@@ -16,7 +16,7 @@ import logging
 import re
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +48,14 @@ async def run_bench(
     progress: Progress | None = None,
     registry: CollectorRegistry | None = None,
     tiers: BenchTierRegistry = BENCH_TIERS,
+    phase: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``settings.workload`` and return the report (see ``kvtier bench --json``).
 
     ``tiers`` are the bench tiers ``settings.tiers`` names; ``registry`` receives the
-    engine's metrics.
+    engine's metrics; ``phase`` hears what the run is doing each time that changes.
     """
+    say = phase if phase is not None else _silent
     workload = build_workload(
         settings.workload,
         WorkloadSize(settings.working_set_chunks, settings.max_prompt_chunks, settings.seed),
@@ -62,6 +64,7 @@ async def run_bench(
     # A secondary_tiers list of the user's own replaces what --tiers would start.
     names = () if "secondary_tiers" in settings.extra_config else settings.tiers
     with _workspace(settings.root_dir, settings.reuse_root) as root, _tier_problems() as problems:
+        say(f"starting {_spoken(names)}" if names else "starting the tiers of --config")
         async with _start_tiers(names, settings, root, tiers) as local:
             config = bench_config(settings, [tier.config for tier in local])
             gpu_blocks = settings.max_prompt_chunks * (settings.concurrency + 1)
@@ -69,6 +72,7 @@ async def run_bench(
             async with KVTier(config, caches, metrics, engine=copy_engine()) as kv:
                 await _until_ready(local, kv.manager.tiers)
                 engine = Engine(kv, caches, gpu_blocks, settings.lookup_timeout_s)
+                say(f"replaying {workload.requests:,} requests")
                 run = await replay(kv, engine, workload, settings, progress)
                 labels = [PRIMARY, *kv.manager.tier_labels]
                 counts = kv.manager.tier_stats()
@@ -77,6 +81,7 @@ async def run_bench(
             report["duration_s"] = round(run.elapsed_s, 3)
             report["errors"], report["warnings"] = tier_problems(report["tiers"], problems.reasons)
             traffic = {entry["name"]: _traffic(entry) for entry in report["tiers"]}
+            say("measuring the physical limits")
             report["physical"], report["ratios"] = await measure_limits(
                 {label: (tier, traffic[label]) for label, tier in built.items()},
                 tiers,
@@ -84,6 +89,16 @@ async def run_bench(
                 workspace=root,
             )
     return report
+
+
+def _silent(text: str) -> None:
+    pass
+
+
+def _spoken(names: Sequence[str]) -> str:
+    words = list(names)
+    listed = " and ".join([", ".join(words[:-1]), words[-1]]) if len(words) > 1 else words[0]
+    return f"the {listed} tier{'s' if len(words) > 1 else ''}"
 
 
 @contextlib.asynccontextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -289,3 +290,20 @@ def test_an_s3_endpoint_nobody_listens_on_stops_the_run_before_it_starts(tmp_pat
     assert result.returncode == 2
     [line] = [line for line in result.stderr.splitlines() if line.startswith("kvtier: error:")]
     assert f"tier 1:s3: cannot reach bucket 'kv-cache' at http://127.0.0.1:{port}" in line
+
+
+# ------------------------------------------------ where the output goes, and its width
+
+
+def test_reports_go_to_stdout_and_progress_to_stderr_a_line_per_phase(tmp_path):
+    result = kvtier("bench", *SMALL_BENCH, "--workload", "no-reuse", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("no-reuse: ")
+    assert "kvtier bench:" not in result.stdout
+    phases = [line for line in result.stderr.splitlines() if line.startswith("kvtier bench:")]
+    assert re.fullmatch(r"kvtier bench: no-reuse: starting the fs tier \[\d+ s\]", phases[0])
+    assert re.fullmatch(r"kvtier bench: no-reuse: replaying \d+ requests \[\d+ s\]", phases[1])
+    assert any("requests served" in line for line in phases)
+    assert phases[-2].startswith("kvtier bench: no-reuse: measuring the physical limits")
+    assert phases[-1].startswith("kvtier bench: no-reuse: done in ")
+    assert not any(mark in result.stderr for mark in "┃│━")  # no table, no bar
