@@ -284,7 +284,7 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     # Reports on stdout (to keep or pipe), progress and problems on stderr.
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140)
+    console = Console(file=sys.stdout)
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     _log_to_stderr()
     try:

@@ -307,3 +307,27 @@ def test_reports_go_to_stdout_and_progress_to_stderr_a_line_per_phase(tmp_path):
     assert phases[-2].startswith("kvtier bench: no-reuse: measuring the physical limits")
     assert phases[-1].startswith("kvtier bench: no-reuse: done in ")
     assert not any(mark in result.stderr for mark in "┃│━")  # no table, no bar
+
+
+def test_the_tables_fit_80_columns_without_cutting_a_cell_short(tmp_path):
+    out = tmp_path / "report.json"
+    result = kvtier(
+        "bench", *SMALL_BENCH, "--workload", "cold-warm", "--quiet", "--json", str(out),
+        env={"COLUMNS": "80"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    assert "…" not in result.stdout
+    report = json.loads(out.read_text())
+    header = next(line for line in lines if "0:primary" in line)
+    assert [cell.strip() for cell in header.split("┃")[1:-1]] == ["", "0:primary", "1:fs"]
+    lookups = next(line for line in lines if line.startswith("│ lookups "))
+    assert [cell.strip() for cell in lookups.split("│")[2:4]] == [
+        f"{tier['queries']:,}" for tier in report["tiers"]
+    ]
+    # Without a GPU, CPU tensors hold the KV cache, and the rows say so.
+    kv = "GPU" if report["settings"]["device"] == "cuda" else "CPU"
+    assert f"│ load (primary -> KV on {kv})" in result.stdout
+    assert "0:primary counts more lookups than" in " ".join(lines)
+    assert "kvtier / limit: the tier's GB/s while it moved data" in " ".join(lines)
