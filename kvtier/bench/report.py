@@ -15,13 +15,13 @@ from rich.table import Table
 
 from kvtier.bench.probe import percentile
 from kvtier.bench.registry import MEMCPY_KEY, BenchTierRegistry
-from kvtier.bench.replay import Replay, TimelinePoint
+from kvtier.bench.replay import SAMPLE_INTERVAL_S, Replay, TimelinePoint
 from kvtier.bench.settings import BenchSettings
 from kvtier.bench.tiers import BENCH_TIERS
 from kvtier.bench.workloads import Workload
 from kvtier.metrics import Names
 
-__all__ = ["PRIMARY", "build_report", "combine", "plot", "print_report", "tier_problems"]
+__all__ = ["PRIMARY", "build_report", "combine", "draw", "plot", "print_report", "tier_problems"]
 
 GB = 1e9
 MIB = 1 << 20
@@ -382,36 +382,62 @@ def plot(reports: Sequence[dict[str, Any]], path: Path) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, len(reports), figsize=(6 * len(reports), 7), squeeze=False)
+    figure, points = draw(reports)
+    # "tight" keeps the legends, drawn beside the axes, inside the picture.
+    figure.savefig(path, bbox_inches="tight")
+    plt.close(figure)
+    return points
+
+
+def draw(reports: Sequence[dict[str, Any]]) -> tuple[Any, int]:
+    """The figure :func:`plot` saves, and how many points it holds.
+
+    Top row: the chunk hit rate of each sampling interval, and since the start. Bottom
+    row: each secondary tier's GB/s in and out; a series that stays at zero (the
+    primary tier's, whose bytes are the engine's; a p2p tier's writes, which are
+    announcements) is left out, and the legend sits beside the axes, never over data.
+    """
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, len(reports), figsize=(7 * len(reports), 7), squeeze=False)
     points = 0
     for column, report in enumerate(reports):
         timeline = report["timeline"]
         times = [point["t"] for point in timeline]
         hit_axis, rate_axis = axes[0][column], axes[1][column]
-        rates = []
+        interval, cumulative = [], []
         for before, after in itertools.pairwise(timeline):
             chunks = after["chunks"] - before["chunks"]
-            rates.append((after["hits"] - before["hits"]) / chunks if chunks else float("nan"))
-        hit_axis.plot(times[1:], rates, marker=".")
-        points += len(rates)
+            hits = after["hits"] - before["hits"]
+            interval.append(hits / chunks if chunks else float("nan"))
+            cumulative.append(after["hits"] / after["chunks"] if after["chunks"] else float("nan"))
+        hit_axis.plot(
+            times[1:], interval, marker=".", label=f"per {SAMPLE_INTERVAL_S:g} s interval"
+        )
+        hit_axis.plot(times[1:], cumulative, "--", label="since the start")
+        points += len(interval) + len(cumulative)
         hit_axis.set_title(f"{report['workload']}: chunk hit rate")
-        hit_axis.set_ylim(0, 1)
+        hit_axis.set_ylim(0, 1.05)
+        hit_axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        drawn = 0
         for label in timeline[0]["tiers"] if timeline else []:
-            for field, style in (("bytes_written", "-"), ("bytes_read", "--")):
+            if label == PRIMARY:
+                continue
+            for field, style, word in (("bytes_written", "-", "in"), ("bytes_read", "--", "out")):
                 speeds = [
                     (after["tiers"][label][field] - before["tiers"][label][field])
                     / max(after["t"] - before["t"], 1e-9)
                     / GB
                     for before, after in itertools.pairwise(timeline)
                 ]
-                rate_axis.plot(
-                    times[1:], speeds, style, marker=".", label=f"{label} {field.split('_')[1]}"
-                )
+                if not any(speeds):
+                    continue
+                rate_axis.plot(times[1:], speeds, style, marker=".", label=f"{label} {word}")
                 points += len(speeds)
-        rate_axis.set_title("tier throughput (GB/s)")
+                drawn += 1
+        rate_axis.set_title("secondary tier throughput (GB/s): in = stored, out = read back")
         rate_axis.set_xlabel("seconds")
-        rate_axis.legend(fontsize="small")
+        if drawn:
+            rate_axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return points
+    return figure, points

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kvtier_cli import SMALL_BENCH, kvtier
 
-from kvtier.bench.report import plot
+from kvtier.bench.report import draw, plot
 from kvtier.bench.workloads import WORKLOADS
 from kvtier.cli import main
 
@@ -141,6 +141,36 @@ def test_plot_draws_hit_rate_and_throughput_over_time(tmp_path):
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     run_bench(tmp_path, "--workload", "no-reuse", "--plot", str(picture))  # from the command
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_shows_the_secondary_tiers_and_both_hit_rates_legends_beside_the_data(
+    tmp_path,
+):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = run_bench(tmp_path, "--workload", "cold-warm")
+    figure, points = draw([report])
+    try:
+        labels = {axis.get_title(): axis for axis in figure.axes}
+        hit_axis = labels["cold-warm: chunk hit rate"]
+        rate_axis = next(axis for title, axis in labels.items() if "throughput" in title)
+        assert [t.get_text() for t in hit_axis.get_legend().get_texts()] == [
+            "per 0.5 s interval", "since the start",
+        ]  # fmt: skip
+        # No flat line for the primary tier, whose bytes are the engine's.
+        assert [t.get_text() for t in rate_axis.get_legend().get_texts()] == [
+            "1:fs in", "1:fs out",
+        ]  # fmt: skip
+        figure.canvas.draw()
+        for axis in (hit_axis, rate_axis):
+            legend = axis.get_legend().get_window_extent()
+            assert legend.x0 >= axis.get_window_extent().x1  # beside the data, not over it
+        assert points > 0
+    finally:
+        plt.close(figure)
 
 
 def scrape(url: str) -> str:
