@@ -411,17 +411,21 @@ def _progress(workload: str, quiet: bool) -> Iterator[tuple[_Advance, _Phase]]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from kvtier.cache_inspect import inspect_root
+    from kvtier.cache_inspect import hint, inspect_root
 
     try:
         reports = inspect_root(args.root_dir, verify=args.verify)
     except (FileNotFoundError, NotADirectoryError) as exc:
         _fail(str(exc))
+    if not reports:
+        # The hint goes where it cannot spoil the JSON a tool reads.
+        print(
+            f"{args.root_dir}: no kvtier namespace (no */namespace.json); {hint(args.root_dir)}",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     if args.json:
         print(json.dumps([asdict(report) for report in reports], indent=2))
     else:
-        if not reports:
-            print(f"{args.root_dir}: no kvtier namespace (no */namespace.json)")
         for report in reports:
             print(f"{report.directory}")
             print(f"  namespace  {report.namespace}")
@@ -429,10 +433,12 @@ def _inspect(args: argparse.Namespace) -> int:
             if report.temporary_files:
                 left = report.temporary_files
                 print(f"  temporary  {left} (left by writers that died; removed at next start)")
-            if args.verify:
+            if report.verified is not None and report.bad is not None:
                 print(f"  verified   {report.verified:,} good, {len(report.bad):,} bad")
                 for name, problem in sorted(report.bad.items()):
                     print(f"    {name}: {problem}")
+            else:
+                print("  verified   not checked (--verify reads every chunk)")
     return 1 if any(report.bad for report in reports) else 0
 
 

@@ -206,6 +206,10 @@ def test_inspect_lists_and_verifies_an_fs_root(tmp_path, capsys):
     root = tmp_path / "cache"
     run_bench(tmp_path, "--workload", "no-reuse", "--root", str(root))
     capsys.readouterr()
+    assert main(["inspect", str(root / "fs"), "--json"]) == 0
+    [counted] = json.loads(capsys.readouterr().out)
+    assert counted["chunks"] > 0
+    assert counted["verified"] is None and counted["bad"] is None  # nothing was checked
     assert main(["inspect", str(root / "fs"), "--verify", "--json"]) == 0
     [namespace] = json.loads(capsys.readouterr().out)
     assert namespace["chunks"] > 0
@@ -361,3 +365,18 @@ def test_the_tables_fit_80_columns_without_cutting_a_cell_short(tmp_path):
     assert f"│ load (primary -> KV on {kv})" in result.stdout
     assert "0:primary counts more lookups than" in " ".join(lines)
     assert "kvtier / limit: the tier's GB/s while it moved data" in " ".join(lines)
+
+
+def test_inspect_of_a_bench_root_or_a_namespace_directory_says_where_to_look(tmp_path):
+    root = tmp_path / "cache"
+    ran = kvtier("bench", *SMALL_BENCH, "--workload", "no-reuse", "--quiet", "--root", str(root))
+    assert ran.returncode == 0, ran.stderr
+    at_root = kvtier("inspect", str(root))
+    assert at_root.returncode == 0, at_root.stderr
+    assert f"{root}: no kvtier namespace" in at_root.stdout
+    assert f"kvtier inspect {root / 'fs'}" in at_root.stdout
+    [namespace_dir] = [p for p in (root / "fs").iterdir() if p.is_dir()]
+    inside = kvtier("inspect", str(namespace_dir), "--json")
+    assert json.loads(inside.stdout) == []  # the JSON stays clean; the hint is on stderr
+    assert "is a namespace directory itself" in inside.stderr
+    assert f"kvtier inspect {root / 'fs'}" in inside.stderr
