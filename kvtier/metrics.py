@@ -82,6 +82,7 @@ class Names:
     CASCADE_JOB_FAILURES = "kvtier_tiering_cascade_job_failures"
     CHUNK_QUERIES = "kvtier_tiering_chunk_queries"
     CHUNK_HITS = "kvtier_tiering_chunk_hits"
+    LOOKUP_FAILURES = "kvtier_tiering_lookup_failures"
     PROMOTION_ALLOCATION_FAILURES = "kvtier_tiering_promotion_allocation_failures"
     PRIMARY_WRITE_USAGE_PERC = "kvtier_tiering_primary_write_usage_perc"
     PRIMARY_READ_USAGE_PERC = "kvtier_tiering_primary_read_usage_perc"
@@ -156,6 +157,11 @@ def tiering_metric_definitions() -> dict[str, MetricDefinition]:
         ),
         Names.CHUNK_QUERIES: CounterDef("Chunk lookups a tier answered, by tier.", _TIER),
         Names.CHUNK_HITS: CounterDef("Chunk lookups a tier answered with a hit, by tier.", _TIER),
+        Names.LOOKUP_FAILURES: CounterDef(
+            "Chunk lookups whose batch failed or timed out, answered as misses, by tier "
+            "(counted in chunk_queries too).",
+            _TIER,
+        ),
         Names.PROMOTION_ALLOCATION_FAILURES: CounterDef(
             "Secondary-tier hits that found no free primary slot to promote into."
         ),

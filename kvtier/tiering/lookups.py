@@ -144,6 +144,8 @@ class TierState:
         answers = outcome.answers or (False,) * len(outcome.keys)
         now = time.perf_counter()
         counts = self.counts
+        if outcome.answers is None:  # the batch failed or timed out: misses, counted
+            counts.counters[Names.LOOKUP_FAILURES] += len(outcome.keys)
         delays = counts.samples[Names.LOOKUP_ASYNC_DELAY]
         for key, present in zip(outcome.keys, answers, strict=True):
             waiting = self.asking.pop(key, ())

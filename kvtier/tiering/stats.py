@@ -100,6 +100,7 @@ class Counts:
 TOTALS = (
     ("queries", Names.CHUNK_QUERIES),
     ("hits", Names.CHUNK_HITS),
+    ("lookup_failures", Names.LOOKUP_FAILURES),
     ("bytes_read", Names.READ_BYTES),
     ("bytes_written", Names.WRITE_BYTES),
     ("read_time", Names.READ_TIME),

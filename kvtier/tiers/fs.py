@@ -92,7 +92,8 @@ class FsSettings:
     """The fs tier's parameters (``{"type": "fs", "root_dir": ...}``)."""
 
     #: The directory under which each namespace gets a directory of its own. Required;
-    #: ``~`` is expanded when the tier is built. Created at start if it is missing.
+    #: ``~`` is expanded when the tier is built. Created at start if it is missing, but
+    #: only if its parent exists: a missing parent is an error.
     root_dir: Path
     #: Bytes of chunk files the tier keeps; beyond it the least recently used files are
     #: removed. None (the default): no limit but the filesystem's.
@@ -202,14 +203,29 @@ class FileSystemTier(SecondaryTier):
         await self._tasks.aclose()
 
     async def _make_directory(self) -> None:
+        """Create the namespace directory, and ``root_dir`` if missing; its parents never.
+
+        A missing parent is most often a mistyped path or a volume that is not mounted:
+        creating it would fill a disk nobody watches.
+        """
         root = self.settings.root_dir.expanduser()
-        key = f"{self.ctx.config_path}.root_dir"
-        if await aiofiles.os.path.exists(root) and not await aiofiles.os.path.isdir(root):
-            raise ConfigError(key, f"{root} is not a directory")
+        path = f"{self.ctx.config_path}.root_dir"
+        if not await aiofiles.os.path.isdir(root):
+            for directory in (root, root.parent):
+                if await aiofiles.os.path.exists(directory):
+                    if not await aiofiles.os.path.isdir(directory):
+                        raise ConfigError(path, f"{directory} is not a directory")
+                    break
+            else:
+                raise ConfigError(
+                    path,
+                    f"{root.parent} does not exist: the fs tier creates root_dir, never its "
+                    "parents (create them, or fix the path)",
+                )
         try:
             await aiofiles.os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(key, f"cannot create {self.directory}: {exc.strerror}") from exc
+            raise ConfigError(path, f"cannot create {self.directory}: {exc.strerror}") from exc
 
     async def _check_namespace_file(self) -> None:
         path = self.directory / NAMESPACE_FILE

@@ -467,3 +467,18 @@ async def test_a_request_finished_while_its_promotion_waits_frees_its_slots(engi
         assert all(manager.primary.slot_of(key) is None for key in second)
         assert manager.primary.num_busy == 2  # a's chunks, kept until it loads
         assert not manager.has_pending_work()
+
+
+async def test_a_lookup_that_times_out_is_a_miss_counted_as_a_lookup_failure(engine_id):
+    slow = scripted("slow", lookup_timeout_s=0.05)
+    async with opened(engine_id, [slow], chunks=4) as manager:
+        tier = ScriptedTier.instances["slow"]
+        tier.gate.clear()  # the lookup never returns in time
+        asked, answered = keys("asked", 2)
+        reader = ReqContext("reader")
+        assert await resolve(manager, asked, reader) is MISS
+        tier.gate.set()
+        assert await resolve(manager, answered, reader) is MISS  # answered: not there
+        manager.on_schedule_end()
+        stats = manager.tier_stats()[manager.tier_labels[0]]
+        assert (stats["queries"], stats["lookup_failures"], stats["hits"]) == (2, 1, 0)
