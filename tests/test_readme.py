@@ -9,8 +9,8 @@ before its fence, saying why::
     <!-- not run: needs vLLM -->
     ```python
 
-What an example takes as given (the host's KV tensors, its block hashes and GPU
-blocks) is defined in :func:`given`; an example that names something new adds it
+What an example takes as given (the host's prompt and GPU blocks) is defined in
+:func:`given`; an example that names something new adds it
 there. The examples' production-sized values are swapped for small ones by
 :data:`SUBSTITUTIONS`, each of which must still occur in the README, so that a changed
 example fails here rather than running with its production sizes.
@@ -25,21 +25,17 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvtier import make_offload_key
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SKIP = re.compile(r"<!--\s*not run:.+-->\s*$")
 
-# The examples' kv_bytes_per_block: two KV tensors of 64 KiB per GPU block.
-KV_BYTES_PER_BLOCK = 131072
-GPU_BLOCKS = 16
-
 #: Text of the examples -> what it becomes here: {engine_id}, {root} are filled in.
 SUBSTITUTIONS = {
     '"engine-0"': '"{engine_id}"',  # one region name per test run: /dev/shm is shared
-    "8 * 2**30": "4 * 2**20",  # a 4 MiB primary tier
+    "num_layers=30": "num_layers=2",  # 48 KiB blocks instead of 720 KiB
+    "cpu_tokens=200_000": "cpu_tokens=512",  # a primary tier of 8 chunks
+    "num_blocks=4096": "num_blocks=64",
     '"/mnt/nvme/kvcache"': '"{root}"',
 }
 
@@ -63,14 +59,11 @@ def python_blocks() -> list[tuple[int, str]]:
 
 def given(root: Path) -> dict[str, Any]:
     """The names the examples take as given, as a host would have them."""
-    block_hashes = [bytes([i]) * 32 for i in range(1, 5)]
-    half = KV_BYTES_PER_BLOCK // 2
     return {
-        # This rank's KV tensors, GPU block index first (CPU tensors stand in).
-        "kv_caches": [torch.ones((GPU_BLOCKS, half), dtype=torch.uint8) for _ in range(2)],
-        "block_hashes": block_hashes,
-        # One GPU block per key: the examples keep block_size == tokens_per_block.
-        "gpu_block_ids": list(range(len(block_hashes))),
+        # A prompt of three full 64-token chunks and a few tokens more.
+        "prompt_ids": [(7 * i) % 49_000 for i in range(200)],
+        # The request's GPU blocks: 4 blocks of 16 tokens per 64-token chunk.
+        "gpu_block_ids": list(range(16, 32)),
         # The synchronous scheduler's request: a chunk the async host did not store.
         "key": make_offload_key(bytes([9]) * 32),
     }
@@ -101,7 +94,8 @@ def test_the_readme_examples_run_as_written(tmp_path, engine_id):
             code = code.replace(original, replacement.format(engine_id=engine_id, root=root))
         run_block(code, f"README.md:{line}", namespace)
     # The async host's chunks and the scheduler's one all cascaded to the fs tier.
-    assert len(list(root.rglob("*.kvt"))) == len(namespace["block_hashes"]) + 1
+    assert len(namespace["keys"]) == 3
+    assert len(list(root.rglob("*.kvt"))) == len(namespace["keys"]) + 1
 
 
 def test_an_opted_out_block_is_not_run(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ combined over several runs, plotted on request."""
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
