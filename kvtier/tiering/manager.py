@@ -68,6 +68,11 @@ logger = logging.getLogger(__name__)
 # How soon the tier loop retries applying tier outcomes when the host holds the lock:
 # the host's own calls drain them anyway; this bounds the wait of an idle host.
 _SERVE_RETRY_S = 0.001
+# How often the end of a step flushes counts to Prometheus. A collection of the
+# registry flushes first anyway, so scrapes always see current counts; this only bounds
+# what piles up between scrapes. A flush with one tier costs about 30 us, 70% of an
+# idle step's end: a scheduler stepping every millisecond paid it on every step.
+_FLUSH_INTERVAL_S = 0.25
 
 _T = TypeVar("_T")
 
@@ -155,6 +160,7 @@ class TieringOffloadingManager(AsyncResource):
         #: Counts of the primary tier, and of the manager's unlabelled metrics.
         self._primary_counts = Counts(PRIMARY_LABEL)
         self._counts = Counts()
+        self._flushed_at = 0.0
         # A scrape of an idle engine sees current counts, not those of its last step.
         self.metrics.pull_from(self._flush_for_collection)
 
@@ -408,12 +414,14 @@ class TieringOffloadingManager(AsyncResource):
     # ----------------------------------------------------------------- steps
 
     def on_schedule_end(self, ctx: ScheduleEndContext | None = None) -> None:
-        """End of a step: drain, send the step's lookups and promotions, flush metrics."""
+        """End of a step: drain, send the step's lookups and promotions; flush metrics
+        if the last flush is a while ago (a scrape of the registry flushes first)."""
         with self.lock:
             if self._completions:
                 self._drain()
             self._launch_step()
-            self._flush_metrics()
+            if time.perf_counter() - self._flushed_at >= _FLUSH_INTERVAL_S:
+                self._flush_metrics()
 
     def _launch_step(self) -> None:
         if not self._tiers or self._closed:
@@ -671,6 +679,7 @@ class TieringOffloadingManager(AsyncResource):
     # --------------------------------------------------------------- metrics
 
     def _flush_metrics(self) -> None:
+        self._flushed_at = time.perf_counter()
         metrics = self.metrics
         primary = self.primary
         metrics.set(Names.CPU_CACHE_USAGE_PERC, primary.num_busy / primary.num_chunks)
