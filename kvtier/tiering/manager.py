@@ -718,7 +718,7 @@ class TieringOffloadingManager(AsyncResource):
 
         Each is one job's time from its start on the tier until its chunks were
         readable: :meth:`promotion_latencies` less the wait for a free job (see the
-        ``max_promotion_jobs`` setting). A bounded uniform sample, as there.
+        ``max_promotion_chunks`` setting). A bounded uniform sample, as there.
         """
         return self._measured(Names.PROMOTION_JOB_TIME)
 
