@@ -338,7 +338,7 @@ async def _run_workloads(
                 report = await run_bench(
                     run_settings, progress=advance, registry=run_registry, phase=phase
                 )
-                phase(f"done in {report['duration_s']:.1f} s")
+                phase(f"done (the replay took {report['duration_s']:.1f} s)")
             reports.append(report)
             # Each run's tables as soon as it ends: --workload all takes minutes.
             print_report(report, console)
