@@ -254,6 +254,10 @@ def _bench(args: argparse.Namespace) -> int:
             _fail("--plot needs matplotlib: pip install 'kvtier[plot]'")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         _fail(f"--metrics-port must be a TCP port, got {args.metrics_port}")
+    for option, path in (("--json", args.json_path), ("--plot", args.plot)):
+        # Checked now rather than after a run of minutes.
+        if path is not None and not path.parent.is_dir():
+            _fail(f"{option} {path}: {path.parent} does not exist")
     if args.reuse_root and args.root is None:
         _fail("--reuse-root needs --root: the default working directory is always new")
     if args.root is not None:
