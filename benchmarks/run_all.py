@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -131,12 +132,21 @@ def serving_section(root: str | None, quick: bool) -> tuple[str, str]:
 def bench_section(root: str | None, quick: bool) -> tuple[str, str]:
     out = HERE / ".bench.json"
     command = ["kvtier", "bench", "--workload", "all", "--quiet", "--json", str(out)]
-    if root:
-        command += ["--root", str(Path(root) / "kvtier-bench")]
+    workspace = Path(root) / "kvtier-bench" if root else None
+    if workspace is not None:
+        command += ["--root", str(workspace)]
     if quick:
         command += ["--working-set-mib", "512", "--primary-mib", "320"]
     print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True, capture_output=True)
+    # kvtier bench refuses a --root holding an earlier run's cache: this script's own
+    # directory starts empty each time, and goes once measured (it holds gigabytes).
+    if workspace is not None:
+        shutil.rmtree(workspace, ignore_errors=True)
+    try:
+        subprocess.run(command, check=True, capture_output=True)
+    finally:
+        if workspace is not None:
+            shutil.rmtree(workspace, ignore_errors=True)
     report = json.loads(out.read_text())
     out.unlink()
     rows = []

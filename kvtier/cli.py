@@ -254,6 +254,10 @@ def _bench(args: argparse.Namespace) -> int:
             _fail("--plot needs matplotlib: pip install 'kvtier[plot]'")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         _fail(f"--metrics-port must be a TCP port, got {args.metrics_port}")
+    for option, path in (("--json", args.json_path), ("--plot", args.plot)):
+        # Checked now rather than after a run of minutes.
+        if path is not None and not path.parent.is_dir():
+            _fail(f"{option} {path}: {path.parent} does not exist")
     if args.reuse_root and args.root is None:
         _fail("--reuse-root needs --root: the default working directory is always new")
     if args.root is not None:
@@ -338,7 +342,7 @@ async def _run_workloads(
                 report = await run_bench(
                     run_settings, progress=advance, registry=run_registry, phase=phase
                 )
-                phase(f"done in {report['duration_s']:.1f} s")
+                phase(f"done (the replay took {report['duration_s']:.1f} s)")
             reports.append(report)
             # Each run's tables as soon as it ends: --workload all takes minutes.
             print_report(report, console)

@@ -55,6 +55,8 @@ def test_plan_reads_extra_config_from_a_file(tmp_path, capsys):
         (["bench", "--config", "/no/such/file.json"], "cannot read /no/such/file.json"),
         (["bench", "--concurrency", "0"], "expected a positive integer"),
         (["bench", "--metrics-port", "70000"], "--metrics-port must be a TCP port"),
+        (["bench", "--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json: /no/such/dir"),
+        (["bench", "--reuse-root"], "--reuse-root needs --root"),
         (["inspect", "/no/such/dir"], "/no/such/dir does not exist"),
     ],
 )

@@ -219,6 +219,7 @@ def print_report(
         "chunks requested; a secondary tier is asked once per chunk. GB/s: while the "
         "tier was moving data.",
         style="dim",
+        highlight=False,
     )
     # The KV tensors live on the GPU, or on the CPU standing in for one.
     kv = "GPU" if settings["device"] == "cuda" else "CPU"
@@ -247,6 +248,7 @@ def print_report(
         "below 1 there means the tier kept up, not that it is slow; cold-warm drives "
         "the tiers flat out and measures how close kvtier comes to the hardware.",
         style="dim",
+        highlight=False,
     )
     if requests["wrong_chunks"]:
         console.print(
