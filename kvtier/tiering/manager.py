@@ -45,7 +45,7 @@ from kvtier.tiering.backpressure import Backpressure, BackpressureSettings
 from kvtier.tiering.completions import CompletionQueue
 from kvtier.tiering.gate import LookupCounter
 from kvtier.tiering.jobs import JobTable
-from kvtier.tiering.lookups import PrefixLookup, Promotion, TierState
+from kvtier.tiering.lookups import PrefixLookup, TierState
 from kvtier.tiering.loop import LoopThread, TierLoop, run_inline
 from kvtier.tiering.outcomes import (
     JobOutcome,
@@ -56,6 +56,7 @@ from kvtier.tiering.outcomes import (
     UnpinRequest,
 )
 from kvtier.tiering.pins import PinService
+from kvtier.tiering.promotions import Launch, Promotions
 from kvtier.tiering.requests import RequestTable
 from kvtier.tiering.runner import RunnerSettings, TierRunner, start_in_order
 from kvtier.tiering.stats import Counts, tier_totals
@@ -161,6 +162,9 @@ class TieringOffloadingManager(AsyncResource):
         self._primary_counts = Counts(PRIMARY_LABEL)
         self._counts = Counts()
         self._flushed_at = 0.0
+        self._promotions = Promotions(
+            primary, self._jobs, self._requests, self._counts, self._evicted
+        )
         # A scrape of an idle engine sees current counts, not those of its last step.
         self.metrics.pull_from(self._flush_for_collection)
 
@@ -281,27 +285,11 @@ class TieringOffloadingManager(AsyncResource):
             if present is None:
                 retry = True
             elif present:
-                return self._begin_promotion(state, key, req_id, protected)
+                # The first tier holding the key promotes it; no slot left: a miss.
+                if self._promotions.begin(state, key, req_id, protected):
+                    return _HIT_PENDING
+                return _MISS
         return _RETRY if retry else _MISS
-
-    def _begin_promotion(
-        self,
-        state: TierState,
-        key: OffloadKey,
-        req_id: str,
-        protected: Collection[OffloadKey] | None,
-    ) -> LookupResult:
-        out = self.primary.prepare_write([key], protected)
-        if out is None or not out.keys_to_store:
-            self._counts.counters[Names.PROMOTION_ALLOCATION_FAILURES] += 1
-            return _MISS
-        self._evicted(out.evicted_keys)
-        promotion = state.promotions.get(req_id)
-        if promotion is None:
-            promotion = state.promotions[req_id] = Promotion(since=time.perf_counter())
-        promotion.keys.append(key)
-        promotion.slots.append(out.store_spec.chunk_ids[0])
-        return _HIT_PENDING
 
     # ---------------------------------------------------------------- loads
 
@@ -397,9 +385,7 @@ class TieringOffloadingManager(AsyncResource):
         for it go now; tiers hear of it once its stores and promotions ended."""
         with self.lock:
             req_id = req.req_id
-            for state in self._tiers:
-                for promotion in state.drop_promotions(req_id):
-                    self.primary.complete_write(promotion.keys, False)
+            self._promotions.drop_request(self._tiers, req_id)
             reserved = self._requests.take_reserved(req_id)
             if reserved:
                 self.primary.complete_load(reserved)
@@ -426,38 +412,16 @@ class TieringOffloadingManager(AsyncResource):
     def _launch_step(self) -> None:
         if not self._tiers or self._closed:
             return
-        launches: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        launches: list[Launch] = []
         now = time.perf_counter()
         for state in self._tiers:
             batch = state.take_queued()
             if batch is not None:
                 launches.append((state.runner.launch_lookup, (batch,)))
-            state.seal_promotions()
-            self._add_promotions(state, now, launches)
+            self._promotions.end_step(state, now, launches)
         self._launch(launches)
 
-    def _launch_waiting_promotions(self) -> None:
-        """Promotion jobs ended: start the promotions waiting for their turn."""
-        if self._closed:
-            return
-        launches: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        now = time.perf_counter()
-        for state in self._tiers:
-            if state.ready:
-                self._add_promotions(state, now, launches)
-        self._launch(launches)
-
-    def _add_promotions(
-        self,
-        state: TierState,
-        now: float,
-        launches: list[tuple[Callable[..., None], tuple[Any, ...]]],
-    ) -> None:
-        for job in self._jobs.promotions(state, now):
-            self._requests.started(job.req_id)
-            launches.append((state.runner.launch_job, (job, now)))
-
-    def _launch(self, launches: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
+    def _launch(self, launches: list[Launch]) -> None:
         if launches:
             assert self._loop is not None
             self._loop.call(_launch_all, launches)
@@ -515,8 +479,8 @@ class TieringOffloadingManager(AsyncResource):
         promotions_ended = False
         for outcome in self._completions.drain():
             promotions_ended |= self._apply(outcome)
-        if promotions_ended:
-            self._launch_waiting_promotions()
+        if promotions_ended and not self._closed:
+            self._launch(self._promotions.start_waiting(self._tiers, time.perf_counter()))
 
     def _apply(self, outcome: Outcome) -> bool:
         """Apply one outcome; whether it let a promotion job of its tier go."""
@@ -590,16 +554,10 @@ class TieringOffloadingManager(AsyncResource):
     async def areset_cache(self) -> None:
         """:meth:`reset_cache` for an async host."""
         with self.lock:
-            self._drop_queued()
+            self._promotions.drop_all(self._tiers)
         await self._settle(include_pins=True)
         with self.lock:
             self._reset()
-
-    def _drop_queued(self) -> None:
-        """Drop lookups and promotions not yet sent: their slots were never written."""
-        for state in self._tiers:
-            for promotion in state.drop_queued():
-                self.primary.complete_write(promotion.keys, False)
 
     def _reset(self) -> None:
         readable = self.primary.readable_keys()
@@ -641,7 +599,7 @@ class TieringOffloadingManager(AsyncResource):
 
     async def _close_once(self) -> None:
         with self.lock:
-            self._drop_queued()
+            self._promotions.drop_all(self._tiers)
             self._closed = True
         await self._starting.wait()
         for state in reversed(self._tiers):
@@ -727,6 +685,6 @@ class TieringOffloadingManager(AsyncResource):
             return {state.label: state.counts.measured(name) for state in self._tiers}
 
 
-def _launch_all(launches: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
+def _launch_all(launches: list[Launch]) -> None:
     for launch, args in launches:
         launch(*args)
