@@ -7,7 +7,7 @@ prose around it alone. The GPU copy benchmark runs only where CUDA is present; t
 and p2p ones only where their scripts exist.
 
     python benchmarks/run_all.py                  # everything, a few minutes
-    python benchmarks/run_all.py --only fs,bench  # a subset
+    python benchmarks/run_all.py --only fs,serving  # a subset
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -84,15 +85,68 @@ def fs_section(root: str | None, quick: bool) -> tuple[str, str]:
     return "fs-tier", f"Command: `{display(command)}`\n\n" + table(header, rows)
 
 
+def serving_section(root: str | None, quick: bool) -> tuple[str, str]:
+    command = [sys.executable, str(HERE / "serving_path.py")]
+    if root:
+        command += ["--root", root]
+    if quick:
+        command += ["--quick"]
+    r = run_json(command)
+    rows = [
+        [
+            TODAY,
+            f"{r['promotion_gbps']:.2f} ({r['raw_read_gbps']:.2f})",
+            f2(r["promotion_ratio"]),
+            f"{r['store_gbps']:.2f} ({r['raw_write_gbps']:.2f})",
+            f2(r["store_ratio"]),
+            f"{r['promotion_p50_ms']:.1f} / {r['promotion_p99_ms']:.1f} "
+            f"({r['promotion_p99_budget_ms']:.1f})",
+            f"{r['loop_lag_p99_ms']:.2f}",
+            f"{r['lookup_hit_ops_s'] / 1e6:.2f} M",
+            f"{r['store_cycle_ops_s'] / 1e3:.0f} k",
+            f"{r['store_cpu_s']:.1f} / {r['load_cpu_s']:.1f}",
+            str(r["mismatches"]),
+        ]
+    ]
+    header = [
+        "date",
+        "promotion GB/s (raw preadv)",
+        "promotion ratio",
+        "store GB/s (raw pwritev)",
+        "store ratio",
+        "promotion job ms p50 / p99 (p99 budget)",
+        "loop lag p99 ms",
+        "lookups/s",
+        "store cycles/s",
+        "CPU s store / load",
+        "mismatches",
+    ]
+    text = (
+        f"Command: `{display(command)}` (page cache {r['page_cache']}, KV tensors on "
+        f"{r['device']}, fs depth {r['read_depth']} read / {r['write_depth']} write)\n\n"
+        + table(header, rows)
+    )
+    return "serving-path", text
+
+
 def bench_section(root: str | None, quick: bool) -> tuple[str, str]:
     out = HERE / ".bench.json"
     command = ["kvtier", "bench", "--workload", "all", "--quiet", "--json", str(out)]
-    if root:
-        command += ["--root", str(Path(root) / "kvtier-bench")]
+    workspace = Path(root) / "kvtier-bench" if root else None
+    if workspace is not None:
+        command += ["--root", str(workspace)]
     if quick:
         command += ["--working-set-mib", "512", "--primary-mib", "320"]
     print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True, capture_output=True)
+    # kvtier bench refuses a --root holding an earlier run's cache: this script's own
+    # directory starts empty each time, and goes once measured (it holds gigabytes).
+    if workspace is not None:
+        shutil.rmtree(workspace, ignore_errors=True)
+    try:
+        subprocess.run(command, check=True, capture_output=True)
+    finally:
+        if workspace is not None:
+            shutil.rmtree(workspace, ignore_errors=True)
     report = json.loads(out.read_text())
     out.unlink()
     rows = []
@@ -244,11 +298,12 @@ def main() -> None:
     parser.add_argument(
         "--root", help="directory on the disk to measure (default: a temporary one)"
     )
-    parser.add_argument("--only", help="comma-separated: fs, bench, stacks, s3, p2p, gpu")
+    parser.add_argument("--only", help="comma-separated: fs, serving, bench, stacks, s3, p2p, gpu")
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
     args = parser.parse_args()
     sections: dict[str, Callable[[str | None, bool], tuple[str, str]] | None] = {
         "fs": fs_section,
+        "serving": serving_section,
         "bench": bench_section,
         "stacks": stacks_section,
         "s3": script_section("s3-tier", "s3_tier.py", []),

@@ -18,8 +18,10 @@ import uuid
 from kvtier import OffloadingConfig, OffloadingSpecFactory, ReqContext, make_offload_key
 
 
-def measure_scheduler(lookups: int = 2_000_000, store_cycles: int = 300_000) -> dict[str, float]:
-    stored = 100_000
+def measure_scheduler(
+    lookups: int = 2_000_000, store_cycles: int = 300_000, *, stored: int = 100_000
+) -> dict[str, float]:
+    """Lookup hits and store cycles per second over a primary tier of ``stored`` chunks."""
     config = OffloadingConfig(
         engine_id=f"bench-sched-{uuid.uuid4().hex[:8]}",
         kv_bytes_per_block=4096,

@@ -6,6 +6,9 @@ chunks, so when users come back for a second round their own chunks have left CP
 memory, and are promoted back from disk (the fs tier). Run it with::
 
     python examples/async_host.py [ROOT_DIR]
+
+With ROOT_DIR the fs tier stays there after the run, for ``kvtier inspect ROOT_DIR``;
+without, it lives in a temporary directory removed at the end.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ async def main(root_dir: str) -> None:
         kv_bytes_per_block=LAYERS * BLOCK_BYTES,
         tokens_per_block=TOKENS_PER_BLOCK,
         model_name="example-model",
+        kv_dtype="uint8",  # the tensors' dtype: part of the namespace the chunks belong to
         extra_config={
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": 32 * LAYERS * BLOCK_BYTES,  # only 32 chunks in RAM

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
@@ -15,7 +15,7 @@ from kvtier.tiers._store import (
     key_of,
 )
 
-__all__ = ["NamespaceReport", "inspect_root"]
+__all__ = ["NamespaceReport", "hint", "inspect_root"]
 
 
 @dataclass
@@ -27,9 +27,11 @@ class NamespaceReport:
     chunks: int = 0
     bytes: int = 0
     temporary_files: int = 0
-    verified: int = 0
-    #: File name -> what is wrong with it (``--verify`` only).
-    bad: dict[str, str] = field(default_factory=dict)
+    #: Chunk files whose header and checksum were checked and sound; None when the
+    #: chunks were counted but not verified.
+    verified: int | None = None
+    #: File name -> what is wrong with it; None when the chunks were not verified.
+    bad: dict[str, str] | None = None
 
 
 def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
@@ -53,6 +55,8 @@ def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
             namespace=description.namespace,
             model=description.model,
             chunk_bytes=description.chunk_bytes,
+            verified=0 if verify else None,
+            bad={} if verify else None,
         )
         chunk_format = ChunkFormat(report.namespace) if report.namespace else None
         for path in sorted(directory.glob("*/*")):
@@ -63,7 +67,7 @@ def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
                 continue
             report.chunks += 1
             report.bytes += path.stat().st_size
-            if verify:
+            if report.verified is not None and report.bad is not None:
                 problem = _verify(path, chunk_format, report.chunk_bytes)
                 if problem is None:
                     report.verified += 1
@@ -71,6 +75,37 @@ def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
                     report.bad[str(path.relative_to(root))] = problem
         reports.append(report)
     return reports
+
+
+def hint(root: Path) -> str:
+    """Where to look instead, for a ``root`` holding no namespace directory."""
+    if (root / NAMESPACE_FILE).is_file():
+        return (
+            f"{root} is a namespace directory itself; the fs tier's root_dir is its "
+            f"parent: kvtier inspect {root.parent}"
+        )
+    holding = sorted(
+        child
+        for child in root.iterdir()
+        if child.is_dir() and any(_description(d) is not None for d in _directories(child))
+    )
+    if holding:
+        where = " or ".join(f"kvtier inspect {child}" for child in holding)
+        return (
+            f"{', '.join(child.name for child in holding)} below it holds kvtier namespaces "
+            f"(kvtier bench --root DIR keeps its fs tier in DIR/fs): {where}"
+        )
+    return (
+        "expected an fs tier's root_dir, which holds one <model>_<digest>/namespace.json "
+        "per namespace once the tier has started"
+    )
+
+
+def _directories(path: Path) -> list[Path]:
+    try:
+        return [child for child in path.iterdir() if child.is_dir()]
+    except OSError:
+        return []
 
 
 def _description(directory: Path) -> NamespaceDescription | None:

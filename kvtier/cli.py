@@ -6,17 +6,23 @@
   every chunk file's checksum.
 - ``kvtier plan`` checks a configuration and prints the primary region it describes.
 
-Progress and tables go to stderr; every error is one line on stderr and exit code 2.
+Reports go to stdout; progress, warnings and errors to stderr (without a terminal, a
+flushed line per phase). A bad argument or configuration is one line on stderr and exit
+code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import enum
 import json
+import logging
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -29,6 +35,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from kvtier.bench import BenchSettings
+    from kvtier.specs.cpu import CPUOffloadingSpec
 
 __all__ = ["main"]
 
@@ -120,8 +127,14 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--root",
         type=Path,
-        help="working directory: the fs tier, the local S3 server's data (default: a "
-        "temporary one)",
+        help="working directory: the fs tier (ROOT/fs), the local S3 server's data "
+        "(ROOT/s3); new or empty unless --reuse-root; created if missing, its parent "
+        "never (default: a temporary one, removed after the run)",
+    )
+    bench.add_argument(
+        "--reuse-root",
+        action="store_true",
+        help="start from the cache an earlier run left in --root (a warm start: more hits)",
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
@@ -133,7 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
-    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     inspect = commands.add_parser(
         "inspect",
@@ -194,11 +207,36 @@ def _read_json_object(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------- bench
 
 
+class _StderrLog(logging.Handler):
+    """Library warnings (a failing tier's) on stderr, one line each, no traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from kvtier._logs import describe_error
+
+        text = f"kvtier: {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f": {describe_error(record.exc_info[1])}"
+        # sys.stderr as it is now: a host (or a test) may have replaced it.
+        print(text, file=sys.stderr, flush=True)
+
+
+_STDERR_LOG = _StderrLog(logging.WARNING)
+
+
+def _log_to_stderr() -> None:
+    library = logging.getLogger("kvtier")
+    if _STDERR_LOG not in library.handlers:
+        library.addHandler(_STDERR_LOG)
+    if library.level == logging.NOTSET:
+        library.setLevel(logging.WARNING)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvtier.bench import BENCH_TIERS, WORKLOADS, BenchSettings
-    from kvtier.bench.report import combine, plot, print_report
+    from kvtier.bench.report import combine, plot
+    from kvtier.bench.run import check_root
 
     known = BENCH_TIERS.names()
     tiers = tuple(name.strip() for name in args.tiers.split(",") if name.strip())
@@ -216,6 +254,17 @@ def _bench(args: argparse.Namespace) -> int:
             _fail("--plot needs matplotlib: pip install 'kvtier[plot]'")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         _fail(f"--metrics-port must be a TCP port, got {args.metrics_port}")
+    for option, path in (("--json", args.json_path), ("--plot", args.plot)):
+        # Checked now rather than after a run of minutes.
+        if path is not None and not path.parent.is_dir():
+            _fail(f"{option} {path}: {path.parent} does not exist")
+    if args.reuse_root and args.root is None:
+        _fail("--reuse-root needs --root: the default working directory is always new")
+    if args.root is not None:
+        try:
+            check_root(args.root, args.reuse_root)
+        except ValueError as exc:
+            _fail(str(exc))
     extra = _read_json_object(args.config) if args.config is not None else {}
     settings = BenchSettings(
         tiers=tiers,
@@ -227,6 +276,7 @@ def _bench(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         duration_s=args.duration,
         root_dir=args.root,
+        reuse_root=args.reuse_root,
         seed=args.seed,
     )
     in_flight = settings.concurrency * settings.max_prompt_chunks * settings.chunk_bytes
@@ -237,40 +287,41 @@ def _bench(args: argparse.Namespace) -> int:
             "--max-prompt-chunks x --chunk-mib): promotions will find no free slot and miss",
             file=sys.stderr,
         )
-    # Wide enough for the tier table when stderr is a file or a pipe (rich assumes 80).
-    console = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+    # Reports on stdout (to keep or pipe), progress and problems on stderr.
+    console = Console(file=sys.stdout)
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    _log_to_stderr()
     try:
         reports = asyncio.run(_run_workloads(settings, names, args, console))
     except KVTierError as exc:
         _fail(str(exc))
     except ValueError as exc:
         _fail(str(exc))
-    for report in reports:
-        print_report(report, console)
     result = reports[0] if len(reports) == 1 else combine(reports)
     if args.json_path is not None:
         args.json_path.write_text(json.dumps(result, indent=2) + "\n")
     if args.plot is not None:
         plot(reports, args.plot)
+    several = len(reports) > 1
+    for kind in ("warning", "error"):
+        for report in reports:
+            for line in report[f"{kind}s"]:
+                where = f"{report['workload']}: " if several else ""
+                print(f"kvtier: {kind}: {where}{line}", file=sys.stderr)
     wrong = sum(report["requests"]["wrong_chunks"] for report in reports)
-    return 1 if wrong else 0
+    if wrong:
+        print(f"kvtier: error: {wrong:,} chunks were served with wrong bytes", file=sys.stderr)
+    failed = any(report["errors"] for report in reports)
+    return 1 if wrong or failed else 0
 
 
 async def _run_workloads(
     settings: BenchSettings, names: list[str], args: argparse.Namespace, console: Console
 ) -> list[dict[str, Any]]:
     from prometheus_client import CollectorRegistry, start_http_server
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TaskID,
-        TextColumn,
-        TimeElapsedColumn,
-    )
 
     from kvtier.bench import run_bench
+    from kvtier.bench.report import print_report
 
     registry = CollectorRegistry()
     server = None
@@ -281,28 +332,21 @@ async def _run_workloads(
     try:
         for name in names:
             run_settings = dataclasses.replace(settings, workload=name)
-            with Progress(
-                TextColumn(f"[bold]{name}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("hit {task.fields[hit]}"),
-                TimeElapsedColumn(),
-                console=console,
-                disable=args.quiet,
-                transient=True,
-            ) as bar:
-                task = bar.add_task(name, total=None, hit="-")
-
-                def advance(
-                    done: int, total: int, hits: int, _task: TaskID = task, _bar: Progress = bar
-                ) -> None:
-                    _bar.update(_task, completed=done, total=total, hit=f"{hits} chunks")
-
-                # Each run gets its own registry: metric names repeat across runs.
-                run_registry = registry if len(names) == 1 else CollectorRegistry()
-                reports.append(
-                    await run_bench(run_settings, progress=advance, registry=run_registry)
+            if settings.root_dir is not None and len(names) > 1:
+                # One directory per workload: none may measure another's cache.
+                settings.root_dir.mkdir(exist_ok=True)
+                run_settings.root_dir = settings.root_dir / name
+            # Each run gets its own registry: metric names repeat across runs.
+            run_registry = registry if len(names) == 1 else CollectorRegistry()
+            with _progress(name, args.quiet) as (advance, phase):
+                report = await run_bench(
+                    run_settings, progress=advance, registry=run_registry, phase=phase
                 )
+                phase(f"done (the replay took {report['duration_s']:.1f} s)")
+            reports.append(report)
+            # Each run's tables as soon as it ends: --workload all takes minutes.
+            print_report(report, console)
+            console.file.flush()
     finally:
         if server is not None:
             server.shutdown()
@@ -310,21 +354,82 @@ async def _run_workloads(
     return reports
 
 
+_Advance = Callable[[int, int, int], None]
+_Phase = Callable[[str], None]
+
+
+@contextlib.contextmanager
+def _progress(workload: str, quiet: bool) -> Iterator[tuple[_Advance, _Phase]]:
+    """How a run shows its progress on stderr: ``(advance, phase)`` callbacks.
+
+    On a terminal, a bar that phases relabel; otherwise (CI, a pipe, a log file) a
+    flushed line per phase and per tenth of the requests, so a log shows a long run
+    moving. Nothing with ``quiet``.
+    """
+    if quiet:
+        yield (lambda done, total, hits: None), (lambda text: None)
+        return
+    if not sys.stderr.isatty():
+        started = time.monotonic()
+        shown = 0
+
+        def line(text: str) -> None:
+            elapsed = time.monotonic() - started
+            print(
+                f"kvtier bench: {workload}: {text} [{elapsed:.0f} s]", file=sys.stderr, flush=True
+            )
+
+        def tenths(done: int, total: int, hits: int) -> None:
+            nonlocal shown
+            tenth = done * 10 // max(total, 1)
+            if tenth > shown:
+                shown = tenth
+                line(f"{done:,} of {total:,} requests served, {hits:,} chunks hit")
+
+        yield tenths, line
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn(f"[bold]{workload}[/] {{task.description}}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("hit {task.fields[hit]}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=None, hit="-")
+
+        def advance(done: int, total: int, hits: int) -> None:
+            bar.update(task, completed=done, total=total, hit=f"{hits} chunks")
+
+        def relabel(text: str) -> None:
+            bar.update(task, description=text)
+
+        yield advance, relabel
+
+
 # ------------------------------------------------------------------- inspect
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from kvtier.cache_inspect import inspect_root
+    from kvtier.cache_inspect import hint, inspect_root
 
     try:
         reports = inspect_root(args.root_dir, verify=args.verify)
     except (FileNotFoundError, NotADirectoryError) as exc:
         _fail(str(exc))
+    if not reports:
+        # The hint goes where it cannot spoil the JSON a tool reads.
+        print(
+            f"{args.root_dir}: no kvtier namespace (no */namespace.json); {hint(args.root_dir)}",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     if args.json:
         print(json.dumps([asdict(report) for report in reports], indent=2))
     else:
-        if not reports:
-            print(f"{args.root_dir}: no kvtier namespace (no */namespace.json)")
         for report in reports:
             print(f"{report.directory}")
             print(f"  namespace  {report.namespace}")
@@ -332,10 +437,12 @@ def _inspect(args: argparse.Namespace) -> int:
             if report.temporary_files:
                 left = report.temporary_files
                 print(f"  temporary  {left} (left by writers that died; removed at next start)")
-            if args.verify:
+            if report.verified is not None and report.bad is not None:
                 print(f"  verified   {report.verified:,} good, {len(report.bad):,} bad")
                 for name, problem in sorted(report.bad.items()):
                     print(f"    {name}: {problem}")
+            else:
+                print("  verified   not checked (--verify reads every chunk)")
     return 1 if any(report.bad for report in reports) else 0
 
 
@@ -383,14 +490,93 @@ def _plan(args: argparse.Namespace) -> int:
         "eviction_policy": spec.eviction_policy,
         "tokens_cached": geometry.num_chunks * geometry.tokens_per_chunk,
     }
+    tiers = _plan_tiers(spec)
     if args.json:
-        print(json.dumps(plan, indent=2))
-    else:
-        width = max(len(key) for key in plan)
-        for key, value in plan.items():
-            shown = f"{value:,}" if isinstance(value, int) else str(value)
-            print(f"{key:<{width}}  {shown}")
+        print(json.dumps({**plan, "tiers": tiers}, indent=2))
+        return 0
+    width = max(len(key) for key in plan)
+    for key, value in plan.items():
+        shown = f"{value:,}" if isinstance(value, int) else str(value)
+        print(f"{key:<{width}}  {shown}")
+    print(f"{'tiers':<{width}}  {len(tiers) or 'none (the primary tier only)'}")
+    for tier in tiers:
+        print(f"tier {tier['label']}  {tier['class']} ({tier['locality']})")
+        rows = {key: tier[key] for key in _RUNNER_FIELDS}
+        rows["backpressure"] = tier["backpressure"] or "off"
+        if tier["settings"] is not None:
+            rows.update(tier["settings"])
+        else:
+            rows["parameters"] = (
+                f"{', '.join(tier['parameters']) or 'none'} (read by the tier when it is built)"
+            )
+        row_width = max(len(key) for key in rows)
+        for key, value in rows.items():
+            print(f"  {key:<{row_width}}  {_plain(value)}")
     return 0
+
+
+_RUNNER_FIELDS = ("max_concurrent_jobs", "job_timeout_s", "lookup_timeout_s", "shutdown_grace_s")
+
+
+def _plan_tiers(spec: CPUOffloadingSpec) -> list[dict[str, Any]]:
+    """Each secondary tier as the engine will build it, its settings parsed, nothing opened.
+
+    The settings come from the tier's own ``settings_class.from_params``, the function
+    the tier runs when it is built, so what is shown is what the engine will use.
+    """
+    from kvtier.specs.tiering import TieringOffloadingSpec
+    from kvtier.tiers.factory import SecondaryTierFactory
+
+    if not isinstance(spec, TieringOffloadingSpec):
+        return []
+    tiers = []
+    for i, (tier_config, tier_class, options) in enumerate(
+        zip(spec.tier_configs, spec.tier_classes, spec.tier_options, strict=True)
+    ):
+        path = f"secondary_tiers[{i}]"
+        params = SecondaryTierFactory.tier_params(tier_config)
+        settings_class = tier_class.settings_class
+        settings = None if settings_class is None else settings_class.from_params(params, path)
+        name = tier_config.get("name") or tier_config["type"]
+        tiers.append(
+            {
+                "label": f"{i + 1}:{name}",
+                "type": tier_config["type"],
+                "class": f"{tier_class.__module__}.{tier_class.__qualname__}",
+                "locality": tier_config.get("locality", tier_class.locality),
+                **{key: getattr(options.runner, key) for key in _RUNNER_FIELDS},
+                "backpressure": _jsonable(options.backpressure),
+                "settings": _jsonable(settings),
+                # Only the names of what a tier without settings reads itself: its
+                # values may hold credentials under names no redaction knows.
+                "parameters": sorted(params) if settings is None else None,
+            }
+        )
+    return tiers
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON-ready data, credentials hidden."""
+    from kvtier._secrets import Secret
+
+    if isinstance(value, Secret):
+        return "<hidden>"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def _plain(value: Any) -> str:
+    """A setting's value in the text plan: strings bare (unless empty), the rest as JSON."""
+    return value if isinstance(value, str) and value else json.dumps(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,15 +9,23 @@ Names follow vLLM's with ``vllm:kv_offload_`` replaced by ``kvtier_``; counters 
 exposed with prometheus_client's ``_total`` suffix.
 
 The scheduler's hot path never touches a Prometheus object: the manager adds to plain
-integers and flushes them here once per step.
+integers and flushes them here once per step. The recorder's metrics reach the registry
+through one collector of its own, which first asks its source (the manager) to flush
+what the step in progress counted: every collection, a scrape of an idle engine
+included, sees current counts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CounterDef",
@@ -74,6 +82,7 @@ class Names:
     CASCADE_JOB_FAILURES = "kvtier_tiering_cascade_job_failures"
     CHUNK_QUERIES = "kvtier_tiering_chunk_queries"
     CHUNK_HITS = "kvtier_tiering_chunk_hits"
+    LOOKUP_FAILURES = "kvtier_tiering_lookup_failures"
     PROMOTION_ALLOCATION_FAILURES = "kvtier_tiering_promotion_allocation_failures"
     PRIMARY_WRITE_USAGE_PERC = "kvtier_tiering_primary_write_usage_perc"
     PRIMARY_READ_USAGE_PERC = "kvtier_tiering_primary_read_usage_perc"
@@ -148,6 +157,11 @@ def tiering_metric_definitions() -> dict[str, MetricDefinition]:
         ),
         Names.CHUNK_QUERIES: CounterDef("Chunk lookups a tier answered, by tier.", _TIER),
         Names.CHUNK_HITS: CounterDef("Chunk lookups a tier answered with a hit, by tier.", _TIER),
+        Names.LOOKUP_FAILURES: CounterDef(
+            "Chunk lookups whose batch failed or timed out, answered as misses, by tier "
+            "(counted in chunk_queries too).",
+            _TIER,
+        ),
         Names.PROMOTION_ALLOCATION_FAILURES: CounterDef(
             "Secondary-tier hits that found no free primary slot to promote into."
         ),
@@ -194,6 +208,9 @@ class MetricsRecorder:
 
     Recording a name that has no definition does nothing: a manager records the same
     names whichever spec built it, and each spec defines the ones it exposes.
+
+    The metrics are registered as one collector; :meth:`pull_from` names a function it
+    calls at the start of every collection, on whichever thread collects.
     """
 
     def __init__(
@@ -206,24 +223,50 @@ class MetricsRecorder:
         self._counters: dict[str, Counter] = {}
         self._gauges: dict[str, Gauge] = {}
         self._histograms: dict[str, Histogram] = {}
+        self._source: Callable[[], None] | None = None
         for name, definition in self.definitions.items():
             if not isinstance(definition, (CounterDef, GaugeDef, HistogramDef)):
                 raise TypeError(f"metric {name!r} has an unknown definition type {definition!r}")
-            common = {
+            # On no registry of their own: the collector below hands them over.
+            common: dict[str, Any] = {
                 "name": name,
                 "documentation": definition.documentation,
                 "labelnames": definition.labelnames,
-                "registry": self.registry,
+                "registry": None,
             }
             if isinstance(definition, CounterDef):
-                self._counters[name] = Counter(**common)  # type: ignore[arg-type]
+                self._counters[name] = Counter(**common)
             elif isinstance(definition, GaugeDef):
-                self._gauges[name] = Gauge(**common)  # type: ignore[arg-type]
+                self._gauges[name] = Gauge(**common)
             elif isinstance(definition, HistogramDef):
                 kwargs = dict(common)
                 if definition.buckets is not None:
                     kwargs["buckets"] = definition.buckets
-                self._histograms[name] = Histogram(**kwargs)  # type: ignore[arg-type]
+                self._histograms[name] = Histogram(**kwargs)
+        self.registry.register(_PullingCollector(self))
+
+    def pull_from(self, source: Callable[[], None] | None) -> None:
+        """Call ``source`` before every collection (None: stop calling it).
+
+        ``source`` flushes what it counted into this recorder. It may run on any
+        thread; an exception it raises is logged and the collection goes on with
+        what was flushed before.
+        """
+        self._source = source
+
+    def _pull(self) -> None:
+        source = self._source
+        if source is None:
+            return
+        try:
+            source()
+        except Exception:
+            logger.exception("flushing metrics for a collection failed")
+
+    def _metrics(self) -> Iterator[Counter | Gauge | Histogram]:
+        yield from self._counters.values()
+        yield from self._gauges.values()
+        yield from self._histograms.values()
 
     def defines(self, name: str) -> bool:
         return name in self.definitions
@@ -255,3 +298,20 @@ class MetricsRecorder:
     def sample(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
         """The current value of one sample, by its exposed name (tests, the CLI)."""
         return self.registry.get_sample_value(name, dict(labels or {}))
+
+
+class _PullingCollector:
+    """A recorder's metrics as one collector, current at each collection."""
+
+    def __init__(self, recorder: MetricsRecorder) -> None:
+        self._recorder = recorder
+
+    def describe(self) -> list[Metric]:
+        # The names the registry checks for clashes, without flushing anything.
+        return [family for metric in self._recorder._metrics() for family in metric.describe()]
+
+    def collect(self) -> Iterator[Metric]:
+        recorder = self._recorder
+        recorder._pull()
+        for metric in recorder._metrics():
+            yield from metric.collect()

@@ -34,6 +34,8 @@ class ScriptedTier(SecondaryTier):
         self.instant: bool = settings.boolean("instant", False)
         self.fail_start: bool = settings.boolean("fail_start", False)
         self.fail_close: bool = settings.boolean("fail_close", False)
+        #: Seconds every load takes before it touches a slot: a tier of known latency.
+        self.load_delay_s: float = settings.number("load_delay_s", 0.0, minimum=0)
         settings.reject_unknown()
         self.chunks: dict[OffloadKey, bytes] = {}
         self.events = EventLog(ctx.enable_events)
@@ -79,6 +81,8 @@ class ScriptedTier(SecondaryTier):
     async def load(self, job: TransferJob) -> JobResult:
         self.load_jobs.append(job)
         await self._pass_gate()
+        if self.load_delay_s:
+            await asyncio.sleep(self.load_delay_s)
         if self.fail_loads:
             raise OSError(5, "scripted load failure")
         view = self.ctx.primary_view

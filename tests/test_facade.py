@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import keys, make_config, scripted, tiering_config
+from kvtier_cli import kvtier
 from scripted_tier import ScriptedTier
 
 from kvtier import KVTier
@@ -180,6 +182,12 @@ def test_the_example_host_runs(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "round 2 user 7: 16 of 16 chunks cached" in result.stdout
+    # What the README says to do next: inspect the fs tier the example left behind.
+    inspected = kvtier("inspect", str(tmp_path), "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    [namespace] = json.loads(inspected.stdout)
+    assert namespace["chunks"] > 0
+    assert ";model=example-model;dtype=uint8;" in namespace["namespace"]
 
 
 # ------------------------------------------------- reset, finish and close races

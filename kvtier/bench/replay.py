@@ -16,11 +16,19 @@ from kvtier.bench.settings import BenchSettings
 from kvtier.bench.workloads import BenchRequest, Workload
 from kvtier.facade import KVTier
 
-__all__ = ["Progress", "Replay", "RequestStats", "TierBytes", "TimelinePoint", "replay"]
+__all__ = [
+    "SAMPLE_INTERVAL_S",
+    "Progress",
+    "Replay",
+    "RequestStats",
+    "TierBytes",
+    "TimelinePoint",
+    "replay",
+]
 
 # How often the timeline is sampled: fine enough to see a tier warm up, coarse enough
 # to cost nothing.
-_SAMPLE_INTERVAL_S = 0.5
+SAMPLE_INTERVAL_S = 0.5
 
 #: Called after each request: requests done, requests in the workload, chunks hit so far.
 Progress = Callable[[int, int, int], None]
@@ -156,4 +164,4 @@ async def _sample(
         if stop.is_set():
             return
         with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-            await asyncio.wait_for(stop.wait(), _SAMPLE_INTERVAL_S)
+            await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)

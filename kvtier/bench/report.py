@@ -4,24 +4,21 @@ combined over several runs, plotted on request."""
 from __future__ import annotations
 
 import itertools
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
 from kvtier.bench.probe import percentile
 from kvtier.bench.registry import MEMCPY_KEY, BenchTierRegistry
-from kvtier.bench.replay import Replay, TimelinePoint
+from kvtier.bench.replay import SAMPLE_INTERVAL_S, Replay, TimelinePoint
 from kvtier.bench.settings import BenchSettings
 from kvtier.bench.tiers import BENCH_TIERS
 from kvtier.bench.workloads import Workload
-from kvtier.metrics import Names
 
-__all__ = ["PRIMARY", "build_report", "combine", "plot", "print_report"]
+__all__ = ["PRIMARY", "build_report", "combine", "draw", "plot", "print_report", "tier_problems"]
 
 GB = 1e9
 MIB = 1 << 20
@@ -35,13 +32,14 @@ def build_report(
     run: Replay,
     counts: Mapping[str, Mapping[str, float]],
     labels: Sequence[str],
-    metrics: CollectorRegistry,
+    promotions: Mapping[str, Sequence[float]],
     device: str,
 ) -> dict[str, Any]:
     """The report of one replay (see ``kvtier bench --json``), before its limits.
 
     ``counts`` are the manager's cumulative counts by tier label, ``labels`` the tiers
-    in lookup order (the primary tier first), ``metrics`` the run's Prometheus registry.
+    in lookup order (the primary tier first), ``promotions`` the measured promotion job
+    latencies in seconds by tier label (``manager.promotion_latencies()``).
     """
     requests = run.requests
     return {
@@ -65,7 +63,8 @@ def build_report(
             "store_ms": _percentiles(requests.store_s),
         },
         "tiers": [
-            _tier_entry(label, counts.get(label, {}), settings, run, metrics) for label in labels
+            _tier_entry(label, counts.get(label, {}), settings, run, promotions.get(label, ()))
+            for label in labels
         ],
         "loop_lag_ms": _percentiles(run.loop_lags),
         "timeline": run.timeline,
@@ -77,14 +76,14 @@ def _tier_entry(
     counts: Mapping[str, float],
     settings: BenchSettings,
     run: Replay,
-    metrics: CollectorRegistry,
+    promotions: Sequence[float],
 ) -> dict[str, Any]:
     queries, hits = counts.get("queries", 0.0), counts.get("hits", 0.0)
     written: float
     read: float
     write_gbps: float | None
     read_gbps: float | None
-    promotion: tuple[float | None, ...]
+    promotion: tuple[float | None, float | None]
     if label == PRIMARY:
         # The primary tier's bytes are the engine's: what it stored and loaded.
         written = run.requests.stored * settings.chunk_bytes
@@ -95,10 +94,11 @@ def _tier_entry(
         written, read = counts.get("bytes_written", 0.0), counts.get("bytes_read", 0.0)
         write_gbps = _active_gbps(run.timeline, label, "bytes_written")
         read_gbps = _active_gbps(run.timeline, label, "bytes_read")
-        promotion = tuple(
-            _histogram_quantile(metrics, Names.PROMOTION_LATENCY, {"tier": label}, q)
-            for q in (0.5, 0.99)
-        )
+        # Percentiles of measured job times: histogram buckets would only give edges.
+        if promotions:
+            promotion = (percentile(promotions, 0.5), percentile(promotions, 0.99))
+        else:
+            promotion = (None, None)
     return {
         "name": label,
         "queries": int(queries),
@@ -109,9 +109,50 @@ def _tier_entry(
         "write_gbps": write_gbps,
         "read_gbps": read_gbps,
         "promotion_ms": {"p50": _ms(promotion[0]), "p99": _ms(promotion[1])},
+        "promotion_jobs": len(promotions),
         "stores_dropped": int(counts.get("stores_dropped", 0.0)),
         "integrity_failures": int(counts.get("integrity_failures", 0.0)),
+        "lookup_failures": int(counts.get("lookup_failures", 0.0)),
+        "cascade_failures": int(counts.get("cascade_failures", 0.0)),
+        "promotion_failures": int(counts.get("promotion_failures", 0.0)),
     }
+
+
+def tier_problems(
+    tiers: Sequence[Mapping[str, Any]], reasons: Mapping[str, str]
+) -> tuple[list[str], list[str]]:
+    """``(errors, warnings)``: one line per tier that failed everything, or some things.
+
+    A tier fails the run when every lookup it was asked failed, or every cascade or
+    promotion it ran failed: its figures then measure nothing. ``reasons`` hold the
+    first problem each tier logged, by label.
+    """
+    errors: list[str] = []
+    warnings: list[str] = []
+    for tier in tiers:
+        label = tier["name"]
+        total: list[str] = []
+        partial: list[str] = []
+        lookups, failed = tier["queries"], tier["lookup_failures"]
+        if failed:
+            (total if failed >= lookups else partial).append(
+                f"every lookup ({failed:,} chunks)"
+                if failed >= lookups
+                else f"{failed:,} of {lookups:,} chunk lookups"
+            )
+        for kind, moved in (("cascade", "bytes_written"), ("promotion", "bytes_read")):
+            jobs = tier[f"{kind}_failures"]
+            if jobs:
+                (total if not tier[moved] else partial).append(
+                    f"every {kind} ({jobs:,} jobs)" if not tier[moved] else f"{jobs:,} {kind}s"
+                )
+        reason = reasons.get(label)
+        because = f": {reason}" if reason else ""
+        if total:
+            errors.append(f"tier {label} failed {' and '.join(total + partial)}{because}")
+        elif partial:
+            warnings.append(f"tier {label} failed {' and '.join(partial)}{because}")
+    return errors, warnings
 
 
 def _active_gbps(
@@ -131,30 +172,6 @@ def _active_gbps(
     return moved / max(end - start, 1e-9) / 1e9
 
 
-def _histogram_quantile(
-    metrics: CollectorRegistry, name: str, labels: Mapping[str, str], q: float
-) -> float | None:
-    """Upper bound of the bucket holding quantile ``q`` of a Prometheus histogram."""
-    buckets: list[tuple[float, float]] = []
-    for metric in metrics.collect():
-        for sample in metric.samples:
-            if sample.name != f"{name}_bucket":
-                continue
-            if any(sample.labels.get(k) != v for k, v in labels.items()):
-                continue
-            buckets.append((float(sample.labels["le"]), sample.value))
-    if not buckets:
-        return None
-    buckets.sort()
-    total = buckets[-1][1]
-    if total == 0:
-        return None
-    for bound, count in buckets:
-        if count >= q * total:
-            return bound
-    return math.inf
-
-
 def _percentiles(values: list[float]) -> dict[str, float]:
     return {
         "p50": round(percentile(values, 0.5) * 1e3, 3),
@@ -163,7 +180,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def _ms(seconds: float | None) -> float | None:
-    if seconds is None or math.isinf(seconds):
+    if seconds is None:
         return None
     return round(seconds * 1e3, 3)
 
@@ -175,59 +192,42 @@ def _num(value: float | None, digits: int = 2) -> str:
 def print_report(
     report: dict[str, Any], console: Console, bench_tiers: BenchTierRegistry = BENCH_TIERS
 ) -> None:
-    """The tables of one run; ``bench_tiers`` give the rows of the limits table."""
+    """The tables of one run; ``bench_tiers`` give the rows of the limits table.
+
+    The tiers are columns and the figures rows, so that the tables fit 80 columns with
+    four tiers; a cell too wide for the console folds onto a second line rather than
+    being cut short.
+    """
     settings = report["settings"]
     requests = report["requests"]
     console.print(
         f"[bold]{report['workload']}[/bold]: {report['description']}\n"
-        f"{requests['count']} requests, {requests['chunks']} chunks requested, "
+        f"{requests['count']:,} requests, {requests['chunks']:,} chunks requested, "
         f"chunk hit rate {requests['chunk_hit_rate']:.1%}, {report['duration_s']:.1f} s "
         f"({settings['device']}, {settings['chunk_bytes'] / MIB:g} MiB chunks, "
         f"primary {settings['primary_bytes'] >> 20} MiB, working set "
         f"{settings['working_set_bytes'] >> 20} MiB)"
     )
-    tiers = Table(
-        title="tiers (GB in: stored into the tier; GB out: read back from it; "
-        "corrupt: chunks that failed verification and were discarded)",
-        title_justify="left",
+    tiers = report["tiers"]
+    table = _table("tiers", [tier["name"] for tier in tiers])
+    for label, cell in _TIER_ROWS:
+        table.add_row(label, *(cell(tier) for tier in tiers))
+    console.print(table)
+    console.print(
+        "lookups: each time a tier was asked about a chunk. A request waiting for a "
+        "promotion asks the primary tier again, so 0:primary counts more lookups than "
+        "chunks requested; a secondary tier is asked once per chunk. GB/s: while the "
+        "tier was moving data.",
+        style="dim",
+        highlight=False,
     )
-    for column in (
-        "tier",
-        "queries",
-        "hits",
-        "hit rate",
-        "GB in",
-        "GB out",
-        "in GB/s",
-        "out GB/s",
-        "promotion ms p50/p99",
-        "dropped",
-        "corrupt",
-    ):
-        tiers.add_column(column, justify="right" if column != "tier" else "left")
-    for tier in report["tiers"]:
-        promotion = tier["promotion_ms"]
-        tiers.add_row(
-            tier["name"],
-            str(tier["queries"]),
-            str(tier["hits"]),
-            f"{tier['hit_rate']:.1%}",
-            _num(tier["bytes_written"] / GB),
-            _num(tier["bytes_read"] / GB),
-            _num(tier["write_gbps"]),
-            _num(tier["read_gbps"]),
-            f"{_num(promotion['p50'], 1)} / {_num(promotion['p99'], 1)}",
-            str(tier["stores_dropped"]),
-            str(tier["integrity_failures"]),
-        )
-    console.print(tiers)
-    latency = Table(title="latency per request (ms) and event loop", title_justify="left")
-    for column in ("", "p50", "p99"):
-        latency.add_column(column, justify="right" if column else "left")
+    # The KV tensors live on the GPU, or on the CPU standing in for one.
+    kv = "GPU" if settings["device"] == "cuda" else "CPU"
+    latency = _table("latency per request (ms) and event loop", ["p50", "p99"])
     for name, key in (
         ("lookup to ready", "lookup_ms"),
-        ("load (primary -> GPU)", "load_ms"),
-        ("store (GPU -> primary)", "store_ms"),
+        (f"load (primary -> KV on {kv})", "load_ms"),
+        (f"store (KV on {kv} -> primary)", "store_ms"),
     ):
         latency.add_row(name, _num(requests[key]["p50"], 1), _num(requests[key]["p99"], 1))
     lag = report["loop_lag_ms"]
@@ -235,19 +235,85 @@ def print_report(
     console.print(latency)
     physical = report.get("physical", {})
     ratios = report.get("ratios", {})
-    limits = Table(title="physical limits measured in this run", title_justify="left")
-    for column in ("", "GB/s", "kvtier / limit"):
-        limits.add_column(column, justify="right" if column else "left")
+    limits = _table("physical limits measured in this run", ["GB/s", "kvtier / limit"])
     if MEMCPY_KEY in physical:
         limits.add_row("memcpy", _num(physical[MEMCPY_KEY]), "")
     for limit in bench_tiers.limits():
         if limit.key in physical:
             limits.add_row(limit.label, _num(physical[limit.key]), _num(ratios.get(limit.ratio)))
     console.print(limits)
+    console.print(
+        "kvtier / limit: the tier's GB/s while it moved data, over the raw figure. A "
+        "serving workload moves data only when its requests need it, so a ratio well "
+        "below 1 there means the tier kept up, not that it is slow; cold-warm drives "
+        "the tiers flat out and measures how close kvtier comes to the hardware.",
+        style="dim",
+        highlight=False,
+    )
     if requests["wrong_chunks"]:
         console.print(
             f"[bold red]{requests['wrong_chunks']} chunks were served with wrong bytes[/]"
         )
+
+
+def _table(title: str, columns: Sequence[str]) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("", justify="left", overflow="fold")
+    for column in columns:
+        table.add_column(column, justify="right", overflow="fold")
+    return table
+
+
+def _count(key: str) -> Callable[[Mapping[str, Any]], str]:
+    return lambda tier: f"{tier[key]:,}"
+
+
+def _gb(key: str) -> Callable[[Mapping[str, Any]], str]:
+    return lambda tier: _num(tier[key] / GB)
+
+
+def _gbps(key: str) -> Callable[[Mapping[str, Any]], str]:
+    return lambda tier: _num(tier[key])
+
+
+def _promotion(tier: Mapping[str, Any]) -> str:
+    promotion = tier["promotion_ms"]
+    return f"{_num(promotion['p50'], 1)} / {_num(promotion['p99'], 1)}"
+
+
+def _failed_jobs(tier: Mapping[str, Any]) -> str:
+    return f"{tier['cascade_failures']:,} / {tier['promotion_failures']:,}"
+
+
+#: The rows of the tiers table: a label, and the cell of one tier's entry.
+_TIER_ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
+    ("lookups", _count("queries")),
+    ("hits", _count("hits")),
+    ("hit rate", lambda tier: f"{tier['hit_rate']:.1%}"),
+    ("failed lookups", _count("lookup_failures")),
+    ("GB stored into it", _gb("bytes_written")),
+    ("GB read back from it", _gb("bytes_read")),
+    ("GB/s storing", _gbps("write_gbps")),
+    ("GB/s reading back", _gbps("read_gbps")),
+    ("promotion ms p50 / p99", _promotion),
+    ("failed cascades / promotions", _failed_jobs),
+    ("cascades dropped", _count("stores_dropped")),
+    ("corrupt chunks discarded", _count("integrity_failures")),
+)
+
+
+#: The per-tier counts :func:`combine` adds up over runs.
+_SUMMED = (
+    "queries",
+    "hits",
+    "bytes_written",
+    "bytes_read",
+    "stores_dropped",
+    "integrity_failures",
+    "lookup_failures",
+    "cascade_failures",
+    "promotion_failures",
+)
 
 
 def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -257,26 +323,9 @@ def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for tier in report["tiers"]:
             total = tiers.setdefault(
                 tier["name"],
-                {
-                    "name": tier["name"],
-                    "queries": 0,
-                    "hits": 0,
-                    "bytes_written": 0,
-                    "bytes_read": 0,
-                    "stores_dropped": 0,
-                    "integrity_failures": 0,
-                    "_w": 0.0,
-                    "_r": 0.0,
-                },
+                {"name": tier["name"], **dict.fromkeys(_SUMMED, 0), "_w": 0.0, "_r": 0.0},
             )
-            for field in (
-                "queries",
-                "hits",
-                "bytes_written",
-                "bytes_read",
-                "stores_dropped",
-                "integrity_failures",
-            ):
+            for field in _SUMMED:
                 total[field] += tier[field]
             # Bytes-weighted means of the runs' rates.
             total["_w"] += (tier["write_gbps"] or 0.0) * tier["bytes_written"]
@@ -296,6 +345,8 @@ def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
         },
         "physical": bandwidth.get("physical", {}),
         "ratios": bandwidth.get("ratios", {}),
+        "errors": [f"{r['workload']}: {line}" for r in reports for line in r.get("errors", [])],
+        "warnings": [f"{r['workload']}: {line}" for r in reports for line in r.get("warnings", [])],
         "runs": list(reports),
     }
 
@@ -310,36 +361,62 @@ def plot(reports: Sequence[dict[str, Any]], path: Path) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, len(reports), figsize=(6 * len(reports), 7), squeeze=False)
+    figure, points = draw(reports)
+    # "tight" keeps the legends, drawn beside the axes, inside the picture.
+    figure.savefig(path, bbox_inches="tight")
+    plt.close(figure)
+    return points
+
+
+def draw(reports: Sequence[dict[str, Any]]) -> tuple[Any, int]:
+    """The figure :func:`plot` saves, and how many points it holds.
+
+    Top row: the chunk hit rate of each sampling interval, and since the start. Bottom
+    row: each secondary tier's GB/s in and out; a series that stays at zero (the
+    primary tier's, whose bytes are the engine's; a p2p tier's writes, which are
+    announcements) is left out, and the legend sits beside the axes, never over data.
+    """
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, len(reports), figsize=(7 * len(reports), 7), squeeze=False)
     points = 0
     for column, report in enumerate(reports):
         timeline = report["timeline"]
         times = [point["t"] for point in timeline]
         hit_axis, rate_axis = axes[0][column], axes[1][column]
-        rates = []
+        interval, cumulative = [], []
         for before, after in itertools.pairwise(timeline):
             chunks = after["chunks"] - before["chunks"]
-            rates.append((after["hits"] - before["hits"]) / chunks if chunks else float("nan"))
-        hit_axis.plot(times[1:], rates, marker=".")
-        points += len(rates)
+            hits = after["hits"] - before["hits"]
+            interval.append(hits / chunks if chunks else float("nan"))
+            cumulative.append(after["hits"] / after["chunks"] if after["chunks"] else float("nan"))
+        hit_axis.plot(
+            times[1:], interval, marker=".", label=f"per {SAMPLE_INTERVAL_S:g} s interval"
+        )
+        hit_axis.plot(times[1:], cumulative, "--", label="since the start")
+        points += len(interval) + len(cumulative)
         hit_axis.set_title(f"{report['workload']}: chunk hit rate")
-        hit_axis.set_ylim(0, 1)
+        hit_axis.set_ylim(0, 1.05)
+        hit_axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        drawn = 0
         for label in timeline[0]["tiers"] if timeline else []:
-            for field, style in (("bytes_written", "-"), ("bytes_read", "--")):
+            if label == PRIMARY:
+                continue
+            for field, style, word in (("bytes_written", "-", "in"), ("bytes_read", "--", "out")):
                 speeds = [
                     (after["tiers"][label][field] - before["tiers"][label][field])
                     / max(after["t"] - before["t"], 1e-9)
                     / GB
                     for before, after in itertools.pairwise(timeline)
                 ]
-                rate_axis.plot(
-                    times[1:], speeds, style, marker=".", label=f"{label} {field.split('_')[1]}"
-                )
+                if not any(speeds):
+                    continue
+                rate_axis.plot(times[1:], speeds, style, marker=".", label=f"{label} {word}")
                 points += len(speeds)
-        rate_axis.set_title("tier throughput (GB/s)")
+                drawn += 1
+        rate_axis.set_title("secondary tier throughput (GB/s): in = stored, out = read back")
         rate_axis.set_xlabel("seconds")
-        rate_axis.legend(fontsize="small")
+        if drawn:
+            rate_axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return points
+    return figure, points

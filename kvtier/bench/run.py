@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvtier._logs import describe_error
 from kvtier.bench.engine import Engine, copy_engine, device, kv_caches
 from kvtier.bench.limits import measure_limits
 from kvtier.bench.registry import BenchTierRegistry, LocalTier, TierTraffic
 from kvtier.bench.replay import Progress, replay
-from kvtier.bench.report import PRIMARY, build_report
+from kvtier.bench.report import PRIMARY, build_report, tier_problems
 from kvtier.bench.settings import BenchSettings, bench_config
 from kvtier.bench.tiers import BENCH_TIERS
 from kvtier.bench.workloads import WorkloadSize, build_workload
@@ -45,12 +48,14 @@ async def run_bench(
     progress: Progress | None = None,
     registry: CollectorRegistry | None = None,
     tiers: BenchTierRegistry = BENCH_TIERS,
+    phase: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``settings.workload`` and return the report (see ``kvtier bench --json``).
 
     ``tiers`` are the bench tiers ``settings.tiers`` names; ``registry`` receives the
-    engine's metrics.
+    engine's metrics; ``phase`` hears what the run is doing each time that changes.
     """
+    say = phase if phase is not None else _silent
     workload = build_workload(
         settings.workload,
         WorkloadSize(settings.working_set_chunks, settings.max_prompt_chunks, settings.seed),
@@ -58,7 +63,8 @@ async def run_bench(
     metrics = registry if registry is not None else CollectorRegistry()
     # A secondary_tiers list of the user's own replaces what --tiers would start.
     names = () if "secondary_tiers" in settings.extra_config else settings.tiers
-    with _workspace(settings.root_dir) as root:
+    with _workspace(settings.root_dir, settings.reuse_root) as root, _tier_problems() as problems:
+        say(f"starting {_spoken(names)}" if names else "starting the tiers of --config")
         async with _start_tiers(names, settings, root, tiers) as local:
             config = bench_config(settings, [tier.config for tier in local])
             gpu_blocks = settings.max_prompt_chunks * (settings.concurrency + 1)
@@ -66,13 +72,17 @@ async def run_bench(
             async with KVTier(config, caches, metrics, engine=copy_engine()) as kv:
                 await _until_ready(local, kv.manager.tiers)
                 engine = Engine(kv, caches, gpu_blocks, settings.lookup_timeout_s)
+                say(f"replaying {workload.requests:,} requests")
                 run = await replay(kv, engine, workload, settings, progress)
                 labels = [PRIMARY, *kv.manager.tier_labels]
                 counts = kv.manager.tier_stats()
+                promotions = kv.manager.promotion_latencies()
                 built = dict(zip(kv.manager.tier_labels, kv.manager.tiers, strict=True))
-            report = build_report(settings, workload, run, counts, labels, metrics, device())
+            report = build_report(settings, workload, run, counts, labels, promotions, device())
             report["duration_s"] = round(run.elapsed_s, 3)
+            report["errors"], report["warnings"] = tier_problems(report["tiers"], problems.reasons)
             traffic = {entry["name"]: _traffic(entry) for entry in report["tiers"]}
+            say("measuring the physical limits")
             report["physical"], report["ratios"] = await measure_limits(
                 {label: (tier, traffic[label]) for label, tier in built.items()},
                 tiers,
@@ -80,6 +90,16 @@ async def run_bench(
                 workspace=root,
             )
     return report
+
+
+def _silent(text: str) -> None:
+    pass
+
+
+def _spoken(names: Sequence[str]) -> str:
+    words = list(names)
+    listed = " and ".join([", ".join(words[:-1]), words[-1]]) if len(words) > 1 else words[0]
+    return f"the {listed} tier{'s' if len(words) > 1 else ''}"
 
 
 @contextlib.asynccontextmanager
@@ -109,6 +129,39 @@ async def _until_ready(local: Sequence[LocalTier], built: Sequence[SecondaryTier
         await asyncio.sleep(_READY_POLL_S)
 
 
+class _FirstProblems(logging.Handler):
+    """The first warning each tier logs during a run, by label: why it failed.
+
+    The tiers' runners log each kind of failure as ``tier <label>: <what happened>``.
+    """
+
+    _PREFIX = re.compile(r"tier (\d+:[^:]+): (.+)", re.S)
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = self._PREFIX.fullmatch(record.getMessage())
+        if found is None or found.group(1) in self.reasons:
+            return
+        reason = found.group(2).splitlines()[0]
+        if record.exc_info and record.exc_info[1] is not None:
+            reason += f": {describe_error(record.exc_info[1])}"
+        self.reasons[found.group(1)] = reason
+
+
+@contextlib.contextmanager
+def _tier_problems() -> Iterator[_FirstProblems]:
+    handler = _FirstProblems()
+    library = logging.getLogger("kvtier")
+    library.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        library.removeHandler(handler)
+
+
 def _traffic(entry: dict[str, Any]) -> TierTraffic:
     return TierTraffic(
         entry["bytes_written"], entry["bytes_read"], entry["write_gbps"], entry["read_gbps"]
@@ -116,10 +169,40 @@ def _traffic(entry: dict[str, Any]) -> TierTraffic:
 
 
 @contextlib.contextmanager
-def _workspace(root_dir: Path | None) -> Iterator[Path]:
-    if root_dir is not None:
-        root_dir.mkdir(parents=True, exist_ok=True)
-        yield root_dir
+def _workspace(root_dir: Path | None, reuse: bool) -> Iterator[Path]:
+    if root_dir is None:
+        with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as directory:
+            yield Path(directory)
         return
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as directory:
-        yield Path(directory)
+    check_root(root_dir, reuse)
+    root_dir.mkdir(exist_ok=True)
+    yield root_dir
+
+
+def check_root(root_dir: Path, reuse: bool) -> None:
+    """Refuse a ``--root`` that would mix this run with what is there already.
+
+    A directory holding anything would hand this run an earlier run's cache (its hit
+    rate measuring that run, not this one) unless ``reuse`` says that is the point. A
+    missing ``root_dir`` is created, but never its parents: a mistyped path must not
+    leave gigabytes somewhere nobody looks.
+
+    Raises:
+        ValueError: ``root_dir`` is a file, is not empty (and ``reuse`` is false), or
+            its parent does not exist.
+    """
+    if root_dir.is_dir():
+        if not reuse and any(root_dir.iterdir()):
+            raise ValueError(
+                f"--root {root_dir} is not empty: this run would measure what an earlier "
+                "one left there; name a new or empty directory, or pass --reuse-root to "
+                "start from that cache on purpose"
+            )
+        return
+    if root_dir.exists():
+        raise ValueError(f"--root {root_dir} is not a directory")
+    if not root_dir.parent.is_dir():
+        raise ValueError(
+            f"--root {root_dir}: {root_dir.parent} does not exist (kvtier bench creates "
+            "--root itself, never its parents)"
+        )

@@ -29,7 +29,11 @@ class BenchSettings:
     concurrency: int = 8
     duration_s: float = 120.0
     lookup_timeout_s: float = 5.0
+    #: The working directory (the fs tier, the local S3 server's data); None: a
+    #: temporary one. It must be new or empty unless ``reuse_root``.
     root_dir: Path | None = None
+    #: Start from what an earlier run left in ``root_dir`` (its cache: more hits).
+    reuse_root: bool = False
     seed: int = 0
 
     @property

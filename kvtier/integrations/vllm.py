@@ -224,7 +224,12 @@ class _StatsRecorder(MetricsRecorder):
                     self._stats.observe_histogram(name, value, tuple(labels))
 
     def take(self) -> OffloadingConnectorStats | None:
-        """What was recorded since the last call; None if nothing was."""
+        """What was recorded since the last call; None if nothing was.
+
+        The manager flushes its counts at most every so often; vLLM asking for stats is
+        a collection like a scrape, so what the manager counted so far is flushed first.
+        """
+        self._pull()
         with self._stats_lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
         return None if stats.is_empty() else stats

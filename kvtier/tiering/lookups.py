@@ -62,7 +62,7 @@ class TierState:
         #: Promotions of past steps waiting for a free job, oldest first.
         self.ready: dict[str, Promotion] = {}
         settings = runner.settings
-        self.promotion_limit = settings.max_promotion_jobs or settings.max_concurrent_jobs
+        self.max_promotion_chunks = settings.max_promotion_chunks
         self.active_promotions = 0
         self.active_cascades = 0
         self.write_chunks = 0
@@ -119,11 +119,23 @@ class TierState:
         self.promotions.clear()
 
     def take_promotions(self) -> list[tuple[str, Promotion]]:
-        """The waiting promotions that may start now, oldest first, within the limit."""
-        room = self.promotion_limit - self.active_promotions
-        if room <= 0 or not self.ready:
-            return []
-        return [(req_id, self.ready.pop(req_id)) for req_id in list(self.ready)[:room]]
+        """The waiting promotions that may start now, oldest first: while fewer than
+        ``max_promotion_chunks`` chunks are being promoted, and always one if none is."""
+        limit = self.max_promotion_chunks
+        if limit is None:
+            taken = list(self.ready.items())
+            self.ready.clear()
+            return taken
+        taken = []
+        in_flight = self.write_chunks
+        busy = self.active_promotions > 0
+        while self.ready and (in_flight < limit or not busy):
+            req_id = next(iter(self.ready))
+            promotion = self.ready.pop(req_id)
+            taken.append((req_id, promotion))
+            in_flight += len(promotion.keys)
+            busy = True
+        return taken
 
     def drop_promotions(self, req_id: str) -> list[Promotion]:
         """Forget the request's promotions not sent yet; returns them."""
@@ -144,6 +156,8 @@ class TierState:
         answers = outcome.answers or (False,) * len(outcome.keys)
         now = time.perf_counter()
         counts = self.counts
+        if outcome.answers is None:  # the batch failed or timed out: misses, counted
+            counts.counters[Names.LOOKUP_FAILURES] += len(outcome.keys)
         delays = counts.samples[Names.LOOKUP_ASYNC_DELAY]
         for key, present in zip(outcome.keys, answers, strict=True):
             waiting = self.asking.pop(key, ())

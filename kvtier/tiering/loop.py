@@ -84,6 +84,7 @@ class LoopThread(TierLoop):
 
     def __init__(self, name: str = "kvtier-tiers") -> None:
         self.loop = asyncio.new_event_loop()
+        self._stopping = asyncio.Event()
         ready = threading.Event()
         self._thread: threading.Thread | None = threading.Thread(
             target=self._main, args=(ready,), name=name, daemon=True
@@ -97,7 +98,12 @@ class LoopThread(TierLoop):
         self._thread_id = threading.get_ident()
         loop.call_soon(ready.set)
         try:
-            loop.run_forever()
+            # One task for the loop's lifetime, as asyncio.run() has: anyio ties the
+            # threads of to_thread.run_sync to the root task it finds, and without one
+            # each tier job's task was the root, so every job started threads of its
+            # own and its end stopped them (106 worker threads started in one quick
+            # run of benchmarks/serving_path.py; 4 with the root task).
+            loop.run_until_complete(self._stopping.wait())
         finally:
             # aiofiles and to_thread calls use the default executor: join its threads.
             loop.run_until_complete(loop.shutdown_asyncgens())
@@ -118,7 +124,7 @@ class LoopThread(TierLoop):
         if thread.ident == threading.get_ident():
             raise RuntimeError("a loop thread cannot be stopped from its own thread")
         self._thread = None
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop.call_soon_threadsafe(self._stopping.set)
         thread.join()
 
 

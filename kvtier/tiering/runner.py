@@ -38,10 +38,11 @@ _T = TypeVar("_T")
 class RunnerSettings:
     #: Jobs of this tier running at once; further jobs wait their turn.
     max_concurrent_jobs: int = 8
-    #: Promotion jobs of this tier in flight at once; further ones wait in the manager,
-    #: their slots allocated, in the order their requests hit. None: as many as
+    #: Promotion jobs of this tier start while fewer chunks than this are being promoted
+    #: (one job may always start); the others wait in the manager, their slots
+    #: allocated, in the order their requests hit. None: no limit but
     #: ``max_concurrent_jobs``.
-    max_promotion_jobs: int | None = None
+    max_promotion_chunks: int | None = None
     #: A job still running after this long is reported failed (a miss).
     job_timeout_s: float = 30.0
     #: A batch of lookups still running after this long answers "not present".

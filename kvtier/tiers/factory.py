@@ -21,7 +21,7 @@ FRAMEWORK_KEYS = frozenset(
         "backpressure",
         "locality",
         "max_concurrent_jobs",
-        "max_promotion_jobs",
+        "max_promotion_chunks",
         "job_timeout_s",
         "lookup_timeout_s",
         "shutdown_grace_s",

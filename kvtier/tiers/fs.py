@@ -30,17 +30,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import itertools
 import logging
 import mmap
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import aiofiles.os
 import anyio
@@ -53,6 +52,7 @@ from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
 from kvtier.records import EventLog, Medium, OffloadingEvent
 from kvtier.resources import TaskSet
+from kvtier.tiers._fileio import advance, aligned_header, in_threads, read_all, size_of
 from kvtier.tiers._format import HEADER_BYTES, MAX_KEY_BYTES, ChunkFormat
 from kvtier.tiers._store import (
     MISSING,
@@ -85,8 +85,6 @@ _MAX_DEPTH = 256
 # Temporary files older than this belong to writers that died; younger ones may be live.
 STALE_TMP_S = 3600.0
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_Item = TypeVar("_Item")
-_Result = TypeVar("_Result")
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,8 @@ class FsSettings:
     """The fs tier's parameters (``{"type": "fs", "root_dir": ...}``)."""
 
     #: The directory under which each namespace gets a directory of its own. Required;
-    #: ``~`` is expanded when the tier is built. Created at start if it is missing.
+    #: ``~`` is expanded when the tier is built. Created at start if it is missing, but
+    #: only if its parent exists: a missing parent is an error.
     root_dir: Path
     #: Bytes of chunk files the tier keeps; beyond it the least recently used files are
     #: removed. None (the default): no limit but the filesystem's.
@@ -204,14 +203,29 @@ class FileSystemTier(SecondaryTier):
         await self._tasks.aclose()
 
     async def _make_directory(self) -> None:
+        """Create the namespace directory, and ``root_dir`` if missing; its parents never.
+
+        A missing parent is most often a mistyped path or a volume that is not mounted:
+        creating it would fill a disk nobody watches.
+        """
         root = self.settings.root_dir.expanduser()
-        key = f"{self.ctx.config_path}.root_dir"
-        if await aiofiles.os.path.exists(root) and not await aiofiles.os.path.isdir(root):
-            raise ConfigError(key, f"{root} is not a directory")
+        path = f"{self.ctx.config_path}.root_dir"
+        if not await aiofiles.os.path.isdir(root):
+            for directory in (root, root.parent):
+                if await aiofiles.os.path.exists(directory):
+                    if not await aiofiles.os.path.isdir(directory):
+                        raise ConfigError(path, f"{directory} is not a directory")
+                    break
+            else:
+                raise ConfigError(
+                    path,
+                    f"{root.parent} does not exist: the fs tier creates root_dir, never its "
+                    "parents (create them, or fix the path)",
+                )
         try:
             await aiofiles.os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(key, f"cannot create {self.directory}: {exc.strerror}") from exc
+            raise ConfigError(path, f"cannot create {self.directory}: {exc.strerror}") from exc
 
     async def _check_namespace_file(self) -> None:
         path = self.directory / NAMESPACE_FILE
@@ -327,7 +341,7 @@ class FileSystemTier(SecondaryTier):
         return [size is not None for size in sizes]
 
     def _stat_all(self, keys: Sequence[OffloadKey]) -> list[int | None]:
-        return [_size_of(self.path_of(key)) for key in keys]
+        return [size_of(self.path_of(key)) for key in keys]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         with self._index_lock:
@@ -350,7 +364,7 @@ class FileSystemTier(SecondaryTier):
                 for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True)
                 if key not in self._index
             ]
-        done = await _in_threads(self._write_stripe, todo, self.settings.write_depth, self._writers)
+        done = await in_threads(self._write_stripe, todo, self.settings.write_depth, self._writers)
         written = [key for key, error in done if error is None]
         errors = [error for _, error in done if error is not None]
         if written:
@@ -392,7 +406,7 @@ class FileSystemTier(SecondaryTier):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         if self.o_direct:
             flags |= _O_DIRECT
-        header = memoryview(_aligned_header() if self.o_direct else bytearray(HEADER_BYTES))
+        header = memoryview(aligned_header() if self.o_direct else bytearray(HEADER_BYTES))
         self._format.pack_header(header, key, row)
         try:
             fd = os.open(tmp, flags, 0o644)
@@ -424,7 +438,7 @@ class FileSystemTier(SecondaryTier):
             if written <= 0:
                 raise OSError(errno.EIO, "the filesystem accepted no bytes")
             offset += written
-            buffers = _advance(buffers, written)
+            buffers = advance(buffers, written)
 
     #: The write syscall, a seam for tests that must fail it where no small filesystem
     #: can be mounted.
@@ -470,7 +484,7 @@ class FileSystemTier(SecondaryTier):
             (key, view[chunk_id]) for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True)
         ]
         depth = self.settings.read_depth
-        outcomes = dict(await _in_threads(self._read_stripe, chunks, depth, self._readers))
+        outcomes = dict(await in_threads(self._read_stripe, chunks, depth, self._readers))
         loaded = [key for key in job.keys if outcomes.get(key) is None]
         lost = [key for key in job.keys if outcomes.get(key) is not None]
         corrupt = {k: r for k, r in outcomes.items() if r is not None and r != MISSING}
@@ -520,10 +534,10 @@ class FileSystemTier(SecondaryTier):
         """
         flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
         fd = os.open(path, flags)
-        header = _aligned_header() if direct else bytearray(HEADER_BYTES)
+        header = aligned_header() if direct else bytearray(HEADER_BYTES)
         try:
             size = os.fstat(fd).st_size
-            got = _read_all(fd, [memoryview(header), row], expected)
+            got = read_all(fd, [memoryview(header), row], expected)
         finally:
             os.close(fd)
         return size, got, header
@@ -560,78 +574,3 @@ class FileSystemTier(SecondaryTier):
 
     def _publish_usage(self) -> None:
         self.ctx.metrics.set(USED_BYTES, self._used_bytes, (self.ctx.tier_name,))
-
-
-async def _in_threads(
-    work: Callable[[list[_Item]], list[_Result]],
-    items: list[_Item],
-    depth: int,
-    limiter: anyio.CapacityLimiter | None,
-) -> list[_Result]:
-    """``work`` on ``items`` cut into at most ``depth`` contiguous runs, each run in a
-    thread of ``limiter``; every result, in order.
-
-    A thread that moves several chunks back to back keeps the disk busy without a trip
-    through the event loop between chunks. Every thread call has ended when this
-    returns or raises, so no slot is read or written after the job is over.
-    """
-    if not items:
-        return []
-    count = min(depth, len(items))
-    size, extra = divmod(len(items), count)
-    bounds = [i * size + min(i, extra) for i in range(count + 1)]
-    outcomes = await asyncio.gather(
-        *(
-            anyio.to_thread.run_sync(work, items[start:end], limiter=limiter)
-            for start, end in itertools.pairwise(bounds)
-        ),
-        return_exceptions=True,
-    )
-    results: list[_Result] = []
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome
-        results.extend(outcome)
-    return results
-
-
-def _size_of(path: Path) -> int | None:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return None
-
-
-_thread_buffers = threading.local()
-
-
-def _aligned_header() -> mmap.mmap:
-    """A page-aligned header buffer for O_DIRECT reads and writes, one per I/O thread."""
-    buffer: mmap.mmap | None = getattr(_thread_buffers, "header", None)
-    if buffer is None:
-        buffer = mmap.mmap(-1, HEADER_BYTES)
-        _thread_buffers.header = buffer
-    return buffer
-
-
-def _read_all(fd: int, buffers: list[memoryview], total: int) -> int:
-    offset = 0
-    while offset < total:
-        got = os.preadv(fd, buffers, offset)
-        if got <= 0:
-            break
-        offset += got
-        buffers = _advance(buffers, got)
-    return offset
-
-
-def _advance(buffers: list[memoryview], count: int) -> list[memoryview]:
-    """The part of ``buffers`` after the first ``count`` bytes."""
-    rest: list[memoryview] = []
-    for buffer in buffers:
-        if count >= len(buffer):
-            count -= len(buffer)
-            continue
-        rest.append(buffer[count:] if count else buffer)
-        count = 0
-    return rest

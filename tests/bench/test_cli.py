@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -10,8 +11,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvtier_cli import SMALL_BENCH, kvtier
 
-from kvtier.bench.report import plot
+from kvtier.bench.report import draw, plot
 from kvtier.bench.workloads import WORKLOADS
 from kvtier.cli import main
 
@@ -141,6 +143,36 @@ def test_plot_draws_hit_rate_and_throughput_over_time(tmp_path):
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_shows_the_secondary_tiers_and_both_hit_rates_legends_beside_the_data(
+    tmp_path,
+):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = run_bench(tmp_path, "--workload", "cold-warm")
+    figure, points = draw([report])
+    try:
+        labels = {axis.get_title(): axis for axis in figure.axes}
+        hit_axis = labels["cold-warm: chunk hit rate"]
+        rate_axis = next(axis for title, axis in labels.items() if "throughput" in title)
+        assert [t.get_text() for t in hit_axis.get_legend().get_texts()] == [
+            "per 0.5 s interval", "since the start",
+        ]  # fmt: skip
+        # No flat line for the primary tier, whose bytes are the engine's.
+        assert [t.get_text() for t in rate_axis.get_legend().get_texts()] == [
+            "1:fs in", "1:fs out",
+        ]  # fmt: skip
+        figure.canvas.draw()
+        for axis in (hit_axis, rate_axis):
+            legend = axis.get_legend().get_window_extent()
+            assert legend.x0 >= axis.get_window_extent().x1  # beside the data, not over it
+        assert points > 0
+    finally:
+        plt.close(figure)
+
+
 def scrape(url: str) -> str:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -174,6 +206,10 @@ def test_inspect_lists_and_verifies_an_fs_root(tmp_path, capsys):
     root = tmp_path / "cache"
     run_bench(tmp_path, "--workload", "no-reuse", "--root", str(root))
     capsys.readouterr()
+    assert main(["inspect", str(root / "fs"), "--json"]) == 0
+    [counted] = json.loads(capsys.readouterr().out)
+    assert counted["chunks"] > 0
+    assert counted["verified"] is None and counted["bad"] is None  # nothing was checked
     assert main(["inspect", str(root / "fs"), "--verify", "--json"]) == 0
     [namespace] = json.loads(capsys.readouterr().out)
     assert namespace["chunks"] > 0
@@ -185,3 +221,162 @@ def test_inspect_lists_and_verifies_an_fs_root(tmp_path, capsys):
     assert main(["inspect", str(root / "fs"), "--verify"]) == 1
     out = capsys.readouterr().out
     assert "payload checksum mismatch" in out and "1 bad" in out
+
+
+# --------------------------------------------------- the working directory (--root)
+
+
+def test_a_second_run_in_one_root_is_refused_unless_asked_to_reuse_it(tmp_path):
+    root = tmp_path / "root"
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    args = ["bench", *SMALL_BENCH, "--workload", "no-reuse", "--root", str(root)]
+    assert kvtier(*args, "--json", str(first)).returncode == 0
+    refused = kvtier(*args)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert f"--root {root} is not empty" in refused.stderr and "--reuse-root" in refused.stderr
+    reused = kvtier(*args, "--reuse-root", "--json", str(second))
+    assert reused.returncode == 0, reused.stderr
+    # The same prompts again, from the first run's cache: what reuse is for.
+    assert json.loads(first.read_text())["requests"]["chunk_hit_rate"] == 0.0
+    assert json.loads(second.read_text())["requests"]["chunk_hit_rate"] > 0.5
+
+
+def test_a_root_whose_parent_is_missing_is_refused_and_nothing_created(tmp_path):
+    root = tmp_path / "missing" / "deep" / "root"
+    result = kvtier("bench", *SMALL_BENCH, "--root", str(root))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert f"{root.parent} does not exist" in result.stderr
+    assert not (tmp_path / "missing").exists()
+
+
+def test_an_fs_tier_whose_root_dir_parent_is_missing_is_refused_by_its_key(tmp_path):
+    config = tmp_path / "extra.json"
+    missing = tmp_path / "missing" / "cache"
+    config.write_text(json.dumps({"secondary_tiers": [{"type": "fs", "root_dir": str(missing)}]}))
+    result = kvtier("bench", *SMALL_BENCH, "--config", str(config))
+    assert result.returncode == 2
+    assert f"kvtier: error: secondary_tiers[0].root_dir: {missing.parent} does not exist" in (
+        result.stderr
+    )
+    assert not missing.parent.exists()
+
+
+# ------------------------------------------------------------ a tier that fails
+
+BROKEN_TIER = '''
+from kvtier import SecondaryTier
+
+
+class UnreachableTier(SecondaryTier):
+    """Every call fails, as a tier behind a refused connection does."""
+
+    async def lookup(self, keys):
+        raise ConnectionRefusedError(111, "Connection refused (127.0.0.1:9)")
+
+    async def store(self, job):
+        raise ConnectionRefusedError(111, "Connection refused (127.0.0.1:9)")
+
+    async def load(self, job):
+        raise ConnectionRefusedError(111, "Connection refused (127.0.0.1:9)")
+'''
+
+
+def test_a_run_whose_tier_failed_everything_exits_1_saying_why_in_one_line(tmp_path):
+    (tmp_path / "unreachable_tier.py").write_text(BROKEN_TIER)
+    config = tmp_path / "extra.json"
+    tier = {"type": "UnreachableTier", "module_path": "unreachable_tier"}
+    config.write_text(json.dumps({"secondary_tiers": [tier]}))
+    out = tmp_path / "report.json"
+    result = kvtier(
+        "bench", *SMALL_BENCH, "--workload", "no-reuse", "--config", str(config),
+        "--json", str(out), env={"PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("kvtier: error:")]
+    assert line.startswith("kvtier: error: tier 1:UnreachableTier failed every lookup ("), line
+    assert "and every cascade (" in line and "ConnectionRefusedError" in line
+    report = json.loads(out.read_text())
+    assert report["errors"] == [line.removeprefix("kvtier: error: ")]
+    broken = report["tiers"][1]
+    assert broken["lookup_failures"] == broken["queries"] > 0
+    assert broken["cascade_failures"] > 0 and broken["bytes_written"] == 0
+
+
+def test_a_run_whose_tiers_all_answered_reports_no_errors(tmp_path):
+    report = run_bench(tmp_path, "--workload", "no-reuse")
+    assert report["errors"] == [] and report["warnings"] == []
+    assert report["tiers"][1]["lookup_failures"] == report["tiers"][1]["cascade_failures"] == 0
+
+
+def test_an_s3_endpoint_nobody_listens_on_stops_the_run_before_it_starts(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a loopback port that was free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "extra.json"
+    tier = {
+        "type": "s3", "bucket": "kv-cache", "endpoint_url": f"http://127.0.0.1:{port}",
+        "access_key_id": "key", "secret_access_key": "secret", "retry_attempts": 0,
+    }  # fmt: skip
+    config.write_text(json.dumps({"secondary_tiers": [tier]}))
+    result = kvtier("bench", *SMALL_BENCH, "--config", str(config))
+    assert result.returncode == 2
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("kvtier: error:")]
+    assert f"tier 1:s3: cannot reach bucket 'kv-cache' at http://127.0.0.1:{port}" in line
+
+
+# ------------------------------------------------ where the output goes, and its width
+
+
+def test_reports_go_to_stdout_and_progress_to_stderr_a_line_per_phase(tmp_path):
+    result = kvtier("bench", *SMALL_BENCH, "--workload", "no-reuse", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("no-reuse: ")
+    assert "kvtier bench:" not in result.stdout
+    phases = [line for line in result.stderr.splitlines() if line.startswith("kvtier bench:")]
+    assert re.fullmatch(r"kvtier bench: no-reuse: starting the fs tier \[\d+ s\]", phases[0])
+    assert re.fullmatch(r"kvtier bench: no-reuse: replaying \d+ requests \[\d+ s\]", phases[1])
+    assert any("requests served" in line for line in phases)
+    assert phases[-2].startswith("kvtier bench: no-reuse: measuring the physical limits")
+    assert phases[-1].startswith("kvtier bench: no-reuse: done (the replay took ")
+    assert not any(mark in result.stderr for mark in "┃│━")  # no table, no bar
+
+
+def test_the_tables_fit_80_columns_without_cutting_a_cell_short(tmp_path):
+    out = tmp_path / "report.json"
+    result = kvtier(
+        "bench", *SMALL_BENCH, "--workload", "cold-warm", "--quiet", "--json", str(out),
+        env={"COLUMNS": "80"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    assert "…" not in result.stdout
+    report = json.loads(out.read_text())
+    header = next(line for line in lines if "0:primary" in line)
+    assert [cell.strip() for cell in header.split("┃")[1:-1]] == ["", "0:primary", "1:fs"]
+    lookups = next(line for line in lines if line.startswith("│ lookups "))
+    assert [cell.strip() for cell in lookups.split("│")[2:4]] == [
+        f"{tier['queries']:,}" for tier in report["tiers"]
+    ]
+    # Without a GPU, CPU tensors hold the KV cache, and the rows say so.
+    kv = "GPU" if report["settings"]["device"] == "cuda" else "CPU"
+    assert f"│ load (primary -> KV on {kv})" in result.stdout
+    assert "0:primary counts more lookups than" in " ".join(lines)
+    assert "kvtier / limit: the tier's GB/s while it moved data" in " ".join(lines)
+
+
+def test_inspect_of_a_bench_root_or_a_namespace_directory_says_where_to_look(tmp_path):
+    root = tmp_path / "cache"
+    ran = kvtier("bench", *SMALL_BENCH, "--workload", "no-reuse", "--quiet", "--root", str(root))
+    assert ran.returncode == 0, ran.stderr
+    at_root = kvtier("inspect", str(root))
+    assert at_root.returncode == 0, at_root.stderr
+    assert f"{root}: no kvtier namespace" in at_root.stdout
+    assert f"kvtier inspect {root / 'fs'}" in at_root.stdout
+    [namespace_dir] = [p for p in (root / "fs").iterdir() if p.is_dir()]
+    inside = kvtier("inspect", str(namespace_dir), "--json")
+    assert json.loads(inside.stdout) == []  # the JSON stays clean; the hint is on stderr
+    assert "is a namespace directory itself" in inside.stderr
+    assert f"kvtier inspect {root / 'fs'}" in inside.stderr

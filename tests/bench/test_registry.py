@@ -266,5 +266,5 @@ def test_a_registered_tier_type_joins_the_run_the_report_and_the_limits_table(
         ("measured", 1 << 18, traffic),
         ("stopped",),
     ]
-    row = next(line for line in capsys.readouterr().err.splitlines() if "dict copy" in line)
+    row = next(line for line in capsys.readouterr().out.splitlines() if "dict copy" in line)
     assert "2.50" in row and f"{report['ratios']['example_read']:.2f}" in row

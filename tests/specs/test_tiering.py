@@ -49,6 +49,11 @@ def test_spec_name_selects_the_tiering_spec(engine_id):
             "expected a value >= 1",
         ),
         (
+            [{"type": "example", "max_promotion_chunks": 0}],
+            r"secondary_tiers\[0\]\.max_promotion_chunks",
+            "expected a value >= 1",
+        ),
+        (
             [{"type": "example", "backpressure": {"policy": "panic"}}],
             r"secondary_tiers\[0\]\.backpressure\.policy",
             "expected one of drop, throttled",
@@ -172,16 +177,15 @@ def test_example_tier_is_the_built_in_example():
 @pytest.mark.parametrize(
     ("tier", "expected"),
     [
-        ({"type": "example"}, 2),
-        ({"type": "example", "max_concurrent_jobs": 1}, 1),
-        ({"type": "example", "locality": "remote"}, 8),
-        ({"type": "example", "locality": "remote", "max_concurrent_jobs": 4}, 4),
-        ({"type": "example", "max_promotion_jobs": 3}, 3),
+        ({"type": "example"}, 8),
+        ({"type": "example", "locality": "remote"}, None),
+        ({"type": "example", "max_promotion_chunks": 3}, 3),
+        ({"type": "example", "locality": "remote", "max_promotion_chunks": 32}, 32),
     ],
 )
-def test_promotion_jobs_in_flight_default_by_locality(engine_id, tier, expected):
+def test_promotion_chunks_in_flight_default_by_locality(engine_id, tier, expected):
     spec = OffloadingSpecFactory.create_spec(tiering_config(engine_id, [tier]))
     try:
-        assert spec.tier_options[0].runner.max_promotion_jobs == expected
+        assert spec.tier_options[0].runner.max_promotion_chunks == expected
     finally:
         spec.shutdown()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import anyio
+import anyio.to_thread
 import pytest
 
 from kvtier.tiering.loop import HostLoop, LoopThread, run_inline
@@ -81,3 +83,21 @@ def test_run_inline_refuses_a_coroutine_that_would_wait():
 
     with pytest.raises(RuntimeError, match="without an event loop was asked to wait"):
         run_inline(waits)
+
+
+def test_a_loop_thread_keeps_its_worker_threads_from_one_call_to_the_next():
+    # anyio ties its worker threads to the root task: each call's task must not be one.
+    loop = LoopThread()
+    try:
+
+        async def worker_thread() -> threading.Thread:
+            return await anyio.to_thread.run_sync(threading.current_thread)
+
+        async def in_a_task_of_its_own() -> threading.Thread:
+            return await asyncio.get_running_loop().create_task(worker_thread())
+
+        first = loop.run(in_a_task_of_its_own)
+        assert loop.run(in_a_task_of_its_own) is first
+        assert first.is_alive()
+    finally:
+        loop.close()

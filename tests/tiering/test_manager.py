@@ -420,8 +420,8 @@ async def test_a_prefix_lookup_never_evicts_the_prefix_it_resolves(engine_id):
         manager.complete_load(first, req)
 
 
-async def test_promotions_beyond_max_promotion_jobs_wait_their_turn_in_hit_order(engine_id):
-    tier_config = scripted("paced", instant=True, max_promotion_jobs=1)
+async def test_promotions_beyond_max_promotion_chunks_wait_their_turn_in_hit_order(engine_id):
+    tier_config = scripted("paced", instant=True, max_promotion_chunks=3)
     async with opened(engine_id, [tier_config], chunks=12) as manager:
         tier = ScriptedTier.instances["paced"]
         prompts = [keys(f"paced-{i}", 3) for i in range(3)]
@@ -447,8 +447,29 @@ async def test_promotions_beyond_max_promotion_jobs_wait_their_turn_in_hit_order
             manager.on_request_finished(req)
 
 
+async def test_short_promotion_jobs_run_side_by_side_within_the_chunk_budget(engine_id):
+    tier_config = scripted("short", instant=True, max_promotion_chunks=4)
+    async with opened(engine_id, [tier_config], chunks=12) as manager:
+        tier = ScriptedTier.instances["short"]
+        prompts = [keys(f"short-{i}", 2) for i in range(3)]
+        fill(manager, [key for prompt in prompts for key in prompt])
+        await settle(manager)
+        await manager.areset_cache()
+        tier.gate.clear()
+        requests = [ReqContext(f"s{i}") for i in range(3)]
+        for prompt, req in zip(prompts, requests, strict=True):
+            assert [manager.lookup(k, req) for k in prompt] == [PENDING] * 2
+        manager.on_schedule_end()
+        await asyncio.sleep(0.01)
+        # Two jobs of two chunks fill the budget of four; the third waits.
+        assert [job.req_id for job in tier.load_jobs] == ["s0", "s1"]
+        tier.gate.set()
+        await settle(manager)
+        assert [job.req_id for job in tier.load_jobs] == ["s0", "s1", "s2"]
+
+
 async def test_a_request_finished_while_its_promotion_waits_frees_its_slots(engine_id):
-    tier_config = scripted("waiting", instant=True, max_promotion_jobs=1)
+    tier_config = scripted("waiting", instant=True, max_promotion_chunks=1)
     async with opened(engine_id, [tier_config], chunks=8) as manager:
         tier = ScriptedTier.instances["waiting"]
         first, second = keys("first", 2), keys("second", 2)
@@ -467,3 +488,18 @@ async def test_a_request_finished_while_its_promotion_waits_frees_its_slots(engi
         assert all(manager.primary.slot_of(key) is None for key in second)
         assert manager.primary.num_busy == 2  # a's chunks, kept until it loads
         assert not manager.has_pending_work()
+
+
+async def test_a_lookup_that_times_out_is_a_miss_counted_as_a_lookup_failure(engine_id):
+    slow = scripted("slow", lookup_timeout_s=0.05)
+    async with opened(engine_id, [slow], chunks=4) as manager:
+        tier = ScriptedTier.instances["slow"]
+        tier.gate.clear()  # the lookup never returns in time
+        asked, answered = keys("asked", 2)
+        reader = ReqContext("reader")
+        assert await resolve(manager, asked, reader) is MISS
+        tier.gate.set()
+        assert await resolve(manager, answered, reader) is MISS  # answered: not there
+        manager.on_schedule_end()
+        stats = manager.tier_stats()[manager.tier_labels[0]]
+        assert (stats["queries"], stats["lookup_failures"], stats["hits"]) == (2, 1, 0)

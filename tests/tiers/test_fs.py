@@ -414,3 +414,29 @@ async def test_the_loop_keeps_ticking_while_the_fs_tier_moves_data(engine_id, tm
     # The tail follows the machine's load (35-43 ms measured beside a CPU-bound
     # benchmark); it only has to rule out stalls of whole file writes.
     assert p99 < 0.25, f"loop lag p99 {p99 * 1000:.1f} ms"
+
+
+async def test_a_missing_root_dir_is_created_when_its_parent_exists(engine_id, tmp_path):
+    root = tmp_path / "cache"
+    async with KVTier(fs_config(engine_id, root), [kv_tensor()]) as kv:
+        await store_all(kv, keys("new-root", 2))
+    assert len(chunk_files(root)) == 2
+
+
+async def test_a_root_dir_whose_parent_is_missing_is_refused_and_nothing_created(
+    engine_id, tmp_path
+):
+    root = tmp_path / "not-mounted" / "deep" / "cache"
+    with pytest.raises(ValueError) as info:
+        await KVTier.open(fs_config(engine_id, root), [kv_tensor()])
+    message = str(info.value)
+    assert message.startswith("secondary_tiers[0].root_dir: ")
+    assert f"{root.parent} does not exist" in message and "never its parents" in message
+    assert not (tmp_path / "not-mounted").exists()
+
+
+async def test_a_root_dir_that_is_a_file_is_refused(engine_id, tmp_path):
+    root = tmp_path / "cache"
+    root.write_text("not a directory")
+    with pytest.raises(ValueError, match=r"^secondary_tiers\[0\]\.root_dir: .* is not a directory"):
+        await KVTier.open(fs_config(engine_id, root), [kv_tensor()])

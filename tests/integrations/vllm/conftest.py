@@ -296,9 +296,13 @@ class Engine:
         while self.scheduler.has_requests() or self._busy():
             self.step()
             steps += 1
+            # Copies (on the worker's copy threads) or kvtier's tiers (lookups,
+            # promotions, cascades) are at work: give them the CPU for a moment instead
+            # of spinning through empty steps.
+            jobs = self.connector.connector_scheduler._jobs  # type: ignore[union-attr]
+            if jobs:
+                self.worker.connector_worker.worker.kvtier.wait(set(jobs), 0.02)  # type: ignore[union-attr]
             if self.manager.has_pending_work():
-                # kvtier's tiers are at work (lookups, promotions, cascades): give them
-                # the CPU for a moment instead of spinning through empty steps.
                 self.manager.kvtier.wait_for_completions_blocking(0.02)
             assert steps < max_steps, (
                 "the engine did not settle: requests "

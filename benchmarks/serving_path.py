@@ -1,0 +1,771 @@
+"""The serving path: a synchronous scheduler and a worker thread drive kvtier with the fs tier.
+
+This walks the path a serving host walks, through the scheduler-facing API only:
+``OffloadingSpecFactory.create_spec`` (``TieringOffloadingSpec`` with one fs tier),
+``spec.get_manager()`` (a synchronous host: the manager runs its tiers on a loop thread
+of its own) and ``spec.create_worker(kv_caches)``. The scheduler runs on the main
+thread; a worker thread does the copies (``submit_store`` / ``submit_load`` /
+``get_finished``), as a GPU worker process would.
+
+1. Raw reference: one file of the same number of bytes written with ``os.pwritev``
+   (O_DIRECT when the tier writes that way) and synced, the page cache dropped, read
+   back with ``os.preadv``, in chunk-sized blocks, on the same filesystem: once by one
+   thread, once by as many threads as the tier's depth (O_DIRECT reads where the tier
+   reads so). The limit is the better of the two, so no ratio is taken against the
+   slower way of driving the disk.
+2. Stores: ``--gib`` of distinct chunks, each holding a pattern derived from its key,
+   stored as requests of ``--job-chunks`` chunks, one request per step
+   (``prepare_store``, the worker's copy, ``complete_store``); the clock runs until
+   every cascade to the fs tier finished and ``os.sync()`` returned.
+3. Promotions: the primary tier emptied (``reset_cache``) and the page cache dropped,
+   the stored requests come back in a seeded random order, ``--in-flight`` at once.
+   Each step looks up every key of every waiting request; a request whose keys are all
+   HIT is pinned (``prepare_load``), copied into the KV tensors by the worker, compared
+   chunk by chunk with what was stored, unpinned and finished. A promotion job's time
+   runs from its start on the tier until its chunks are readable (the manager's
+   measured samples); a request's wait runs from its first lookup that answered
+   HIT_PENDING or RETRY to the one that found all its chunks readable, and includes
+   its turn behind the other requests' jobs.
+4. The raw reference again; the limit is the mean of the two.
+
+Every step ends with ``on_schedule_end``. An event-loop probe runs on the manager's
+loop thread throughout. Then the scheduler call rates of ``benchmarks/scheduler.py``.
+
+The last line is one JSON object: ``promotion_gbps``, ``promotion_ratio``,
+``store_gbps``, ``store_ratio``, ``promotion_p50_ms``, ``promotion_p99_ms`` (job times),
+``promotion_p99_budget_ms`` (3 x a job's bytes / raw read bandwidth; the p50 budget is
+1.5 x), ``request_wait_p50_ms`` / ``request_wait_p99_ms``,
+``loop_lag_p99_ms``, ``lookup_hit_ops_s``, ``store_cycle_ops_s``, ``mismatches``, and
+more.
+
+    python benchmarks/serving_path.py --root /path/on/the/disk/to/measure
+    python benchmarks/serving_path.py --quick     # a few seconds, small sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import mmap
+import os
+import queue
+import random
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import LagProbe, percentile
+from scheduler import measure_scheduler
+
+from kvtier import (
+    ConfigError,
+    LookupResult,
+    OffloadingConfig,
+    OffloadingSpecFactory,
+    OffloadKey,
+    ReqContext,
+    TieringOffloadingManager,
+    make_offload_key,
+)
+from kvtier.bench.physical import drop_page_cache
+from kvtier.records import TransferResult
+from kvtier.worker import OffloadingWorker
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+# How long an idle scheduler step waits for a tier completion before it steps again
+# (worker copies do not wake it), unless --idle-ms says otherwise: short next to a
+# 16-chunk job's tens of milliseconds, long enough not to spin on a two-core machine.
+_IDLE_WAIT_MS = 1.0
+# How often the worker thread polls for finished copies while some are in flight.
+_COPY_POLL_S = 0.0002
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=None, help="directory on the disk to test")
+    parser.add_argument("--gib", type=float, default=4.0, help="GiB of distinct chunks")
+    parser.add_argument("--primary-gib", type=float, default=1.0)
+    parser.add_argument("--chunk-mib", type=float, default=2.0)
+    parser.add_argument("--job-chunks", type=int, default=16, help="chunks per request")
+    parser.add_argument("--in-flight", type=int, default=16, help="load requests at once")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tier-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fs tier parameter (value as JSON, else a string), e.g. read_depth=8",
+    )
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=_IDLE_WAIT_MS,
+        help="how long a step that found nothing to do waits for a tier completion",
+    )
+    parser.add_argument("--lookups", type=int, default=2_000_000)
+    parser.add_argument("--store-cycles", type=int, default=300_000)
+    parser.add_argument(
+        "--timeout-s", type=float, default=60.0, help="longest a request may wait for its chunks"
+    )
+    parser.add_argument(
+        "--page-cache",
+        choices=("drop", "o_direct"),
+        default="drop",
+        help="make reads cold by dropping the page cache (as root; else falls back) or "
+        "by reading the raw file with O_DIRECT and evicting the tier's files",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, a few seconds, the page cache left alone (a smoke test)",
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.gib, args.primary_gib, args.chunk_mib = 0.09375, 1 / 32, 0.25
+        args.in_flight = min(args.in_flight, 4)
+        args.lookups, args.store_cycles, args.stored = 20_000, 5_000, 5_000
+        # A smoke test on a shared machine must not empty everyone's page cache.
+        args.page_cache = "o_direct"
+    else:
+        args.stored = 100_000
+    for name in ("gib", "primary_gib", "chunk_mib", "idle_ms"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("job_chunks", "in_flight"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def tier_options(pairs: Sequence[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--tier-option expects KEY=VALUE, got {pair!r}")
+        try:
+            options[name] = json.loads(text)
+        except json.JSONDecodeError:
+            options[name] = text
+    return options
+
+
+# ------------------------------------------------------------------ raw reference
+
+
+def drop_caches() -> bool:
+    """Drop the whole page cache after a sync; False where that is not permitted."""
+    os.sync()
+    if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        return False
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Raw:
+    #: One thread, one sequential stream: the classic ``dd``-like figure.
+    write_one_gbps: float
+    read_one_gbps: float
+    #: ``depth`` threads, each a contiguous part of the file, O_DIRECT where the tier
+    #: uses it: what the device gives to as many I/Os in flight as the tier keeps.
+    write_deep_gbps: float
+    read_deep_gbps: float
+
+    @property
+    def write_gbps(self) -> float:
+        """The limit: the better of the two ways, so no ratio is taken against a slow one."""
+        return max(self.write_one_gbps, self.write_deep_gbps)
+
+    @property
+    def read_gbps(self) -> float:
+        return max(self.read_one_gbps, self.read_deep_gbps)
+
+
+def raw_reference(
+    path: Path, count: int, chunk: int, *, direct_write: bool, cache: str, depth: int
+) -> Raw:
+    """One file of ``count`` chunks written with ``os.pwritev`` (+ fsync) and read back
+    cold with ``os.preadv``: by one thread, then by ``depth`` threads.
+
+    ``cache`` "dropped" drops the page cache before each read ("o_direct", where that
+    is not permitted, reads with O_DIRECT instead). The deep reads use O_DIRECT when the
+    tier writes with it (it then reads with it too), like the tier.
+    """
+    direct = getattr(os, "O_DIRECT", 0)
+    write_flags = os.O_WRONLY | os.O_CREAT | (direct if direct_write else 0)
+    one_read_flags = os.O_RDONLY | (direct if cache == "o_direct" else 0)
+    deep_read_flags = os.O_RDONLY | (direct if direct_write or cache == "o_direct" else 0)
+    try:
+        write_one = _timed_pass(path, write_flags, count, chunk, 1, write=True)
+        read_one = _timed_pass(path, one_read_flags, count, chunk, 1, cold=cache == "dropped")
+        write_deep = _timed_pass(path, write_flags, count, chunk, depth, write=True)
+        read_deep = _timed_pass(path, deep_read_flags, count, chunk, depth, cold=cache == "dropped")
+    finally:
+        path.unlink(missing_ok=True)
+    total = count * chunk / 1e9
+    return Raw(total / write_one, total / read_one, total / write_deep, total / read_deep)
+
+
+def _timed_pass(
+    path: Path,
+    flags: int,
+    count: int,
+    chunk: int,
+    threads: int,
+    *,
+    write: bool = False,
+    cold: bool = False,
+) -> float:
+    """Seconds to move ``count`` chunks through ``path``, its chunks cut into ``threads``
+    contiguous runs, each run by one thread with a page-aligned buffer of its own."""
+    if cold:
+        drop_caches()
+    threads = max(1, min(threads, count))
+    size, extra = divmod(count, threads)
+    bounds = [i * size + min(i, extra) for i in range(threads + 1)]
+    fd = os.open(path, flags, 0o644)
+
+    def run(first: int, last: int) -> None:
+        # Page-aligned, as the region's rows are: O_DIRECT needs it.
+        buffer = mmap.mmap(-1, chunk)
+        try:
+            if write:
+                buffer[:] = os.urandom(chunk)
+            for i in range(first, last):
+                moved = (
+                    os.pwritev(fd, [buffer], i * chunk)
+                    if write
+                    else os.preadv(fd, [buffer], i * chunk)
+                )
+                if moved != chunk:
+                    raise OSError(f"short transfer at chunk {i} of {path}")
+        finally:
+            buffer.close()
+
+    try:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            runs = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(threads)]
+            for done in runs:
+                done.result()
+        if write:
+            os.fsync(fd)
+        return time.perf_counter() - started
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ the worker side
+
+
+class Patterns:
+    """What the "model" computes for a chunk: seeded random bytes XORed with its key.
+
+    Every chunk differs from every other in every word, so a chunk served under the
+    wrong key, torn, or shifted never compares equal.
+    """
+
+    def __init__(self, caches: Sequence[torch.Tensor], seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.bases = [
+            torch.randint(
+                -(1 << 62), 1 << 62, cache.shape[1:], dtype=torch.int64, generator=generator
+            ).to(cache.device)
+            for cache in caches
+        ]
+        self.caches = caches
+
+    @staticmethod
+    def value(key: OffloadKey) -> int:
+        return int.from_bytes(key[:8], "big", signed=True)
+
+    def write(self, keys: Sequence[OffloadKey], blocks: Sequence[int]) -> None:
+        for key, block in zip(keys, blocks, strict=True):
+            value = self.value(key)
+            for cache, base in zip(self.caches, self.bases, strict=True):
+                torch.bitwise_xor(base, value, out=cache[block])
+
+    def wrong(self, keys: Sequence[OffloadKey], blocks: Sequence[int]) -> int:
+        """How many of ``keys`` do not hold their pattern in ``blocks``."""
+        wrong = 0
+        for key, block in zip(keys, blocks, strict=True):
+            value = self.value(key)
+            if not all(
+                torch.equal(cache[block] ^ value, base)
+                for cache, base in zip(self.caches, self.bases, strict=True)
+            ):
+                wrong += 1
+        return wrong
+
+
+@dataclass
+class Copy:
+    """A copy job the scheduler hands to the worker thread."""
+
+    job_id: int
+    store: bool
+    req: ReqContext
+    keys: list[OffloadKey]
+    blocks: list[int]
+    chunk_ids: list[int]
+    group: int
+
+
+@dataclass
+class Copied:
+    copy: Copy
+    result: TransferResult
+    #: Loaded chunks whose bytes differ from what was stored under their key.
+    wrong: int
+
+
+class CopyThread(threading.Thread):
+    """The worker process's role: runs copies, checks loaded bytes, reports back."""
+
+    def __init__(self, worker: OffloadingWorker, patterns: Patterns) -> None:
+        super().__init__(name="bench-worker", daemon=True)
+        self.worker = worker
+        self.patterns = patterns
+        self.inbox: queue.SimpleQueue[Copy | None] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[Copied] = queue.SimpleQueue()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            self.error = exc
+
+    def _serve(self) -> None:
+        worker, pending = self.worker, {}
+        while True:
+            try:
+                copy = self.inbox.get(timeout=_COPY_POLL_S if pending else None)
+            except queue.Empty:
+                copy = False
+            if copy is None:
+                return
+            if copy:
+                pending[copy.job_id] = copy
+                if copy.store:
+                    self.patterns.write(copy.keys, copy.blocks)
+                    worker.submit_store(copy.job_id, copy.blocks, copy.chunk_ids)
+                else:
+                    worker.submit_load(copy.job_id, copy.chunk_ids, copy.blocks)
+            for result in worker.get_finished():
+                done = pending.pop(result.job_id)
+                wrong = 0
+                if not done.store and result.success:
+                    wrong = self.patterns.wrong(done.keys, done.blocks)
+                self.outbox.put(Copied(done, result, wrong))
+
+
+# --------------------------------------------------------------- the scheduler side
+
+
+@dataclass
+class Waiting:
+    """A load request the scheduler looks up step after step."""
+
+    req: ReqContext
+    keys: list[OffloadKey]
+    group: int
+    admitted: float
+    #: When a lookup first answered HIT_PENDING or RETRY; None while none has.
+    asked: float | None = None
+
+
+@dataclass
+class Figures:
+    promotion_s: list[float] = field(default_factory=list)
+    mismatches: int = 0
+    lookup_misses: int = 0
+    copy_failures: int = 0
+    steps: int = 0
+    resident_requests: int = 0
+
+
+class Scheduler:
+    """The scheduler's loop: one step after another, each ended by ``on_schedule_end``."""
+
+    def __init__(
+        self,
+        manager: TieringOffloadingManager,
+        copier: CopyThread,
+        job_chunks: int,
+        in_flight: int,
+        timeout_s: float,
+        idle_s: float,
+    ) -> None:
+        self.manager = manager
+        self.idle_s = idle_s
+        self.copier = copier
+        self.job_chunks = job_chunks
+        self.in_flight = in_flight
+        self.timeout_s = timeout_s
+        self.figures = Figures()
+        self._job_ids = 0
+
+    def blocks_of(self, group: int) -> list[int]:
+        return list(range(group * self.job_chunks, (group + 1) * self.job_chunks))
+
+    def store_all(self, requests: Sequence[list[OffloadKey]]) -> float:
+        """Seconds to store ``requests``, one per step, and cascade them to disk."""
+        manager = self.manager
+        started = time.perf_counter()
+        pending = deque(enumerate(requests))
+        # Two groups of blocks: the next request's copy may start while one finishes.
+        free = deque(range(self.in_flight, self.in_flight + 2))
+        while pending or len(free) < 2:
+            progressed = self._take_copies(free)
+            if pending and free:
+                index, keys = pending[0]
+                req = ReqContext(f"store-{index}")
+                out = manager.prepare_store(keys, req)
+                if out is not None:
+                    pending.popleft()
+                    progressed = True
+                    if out.keys_to_store:
+                        group = free.popleft()
+                        blocks = self.blocks_of(group)[: len(out.keys_to_store)]
+                        chunk_ids = list(out.store_spec.chunk_ids)
+                        self._send(True, req, list(out.keys_to_store), blocks, chunk_ids, group)
+                    else:
+                        manager.on_request_finished(req)
+            self._end_step(progressed)
+        while manager.has_pending_work():
+            self._end_step(False)
+        os.sync()
+        return time.perf_counter() - started
+
+    def load_all(self, requests: Sequence[list[OffloadKey]]) -> float:
+        """Seconds to bring ``requests`` back into the KV tensors, ``in_flight`` at once."""
+        manager, figures = self.manager, self.figures
+        started = time.perf_counter()
+        pending = deque(enumerate(requests))
+        free = deque(range(self.in_flight))
+        waiting: list[Waiting] = []
+        lookup = manager.lookup
+        while pending or waiting or len(free) < self.in_flight:
+            progressed = self._take_copies(free)
+            while pending and free:
+                index, keys = pending.popleft()
+                group = free.popleft()
+                req = ReqContext(f"load-{index}")
+                manager.on_new_request(req)
+                waiting.append(Waiting(req, keys, group, time.perf_counter()))
+            still: list[Waiting] = []
+            for entry in waiting:
+                results = [lookup(key, entry.req) for key in entry.keys]
+                now = time.perf_counter()
+                hits = results.count(LookupResult.HIT)
+                if hits == len(results):
+                    if entry.asked is None:
+                        figures.resident_requests += 1
+                    else:
+                        figures.promotion_s.append(now - entry.asked)
+                    slots = list(manager.prepare_load(entry.keys, entry.req).chunk_ids)
+                    blocks = self.blocks_of(entry.group)[: len(entry.keys)]
+                    self._send(False, entry.req, entry.keys, blocks, slots, entry.group)
+                    progressed = True
+                    continue
+                if entry.asked is None:
+                    entry.asked = now
+                figures.lookup_misses += results.count(LookupResult.MISS)
+                if now - entry.admitted > self.timeout_s:
+                    raise RuntimeError(
+                        f"request {entry.req.req_id} still has {len(results) - hits} of "
+                        f"{len(results)} chunks unreadable after {self.timeout_s:g} s"
+                    )
+                still.append(entry)
+            waiting = still
+            self._end_step(progressed)
+        return time.perf_counter() - started
+
+    def _send(
+        self,
+        store: bool,
+        req: ReqContext,
+        keys: list[OffloadKey],
+        blocks: list[int],
+        chunk_ids: list[int],
+        group: int,
+    ) -> None:
+        self._job_ids += 1
+        self.copier.inbox.put(Copy(self._job_ids, store, req, keys, blocks, chunk_ids, group))
+
+    def _take_copies(self, free: deque[int]) -> bool:
+        """Finish the requests whose copies the worker reported; whether there were any."""
+        manager, figures = self.manager, self.figures
+        if self.copier.error is not None:
+            raise RuntimeError("the worker thread failed") from self.copier.error
+        took = False
+        while True:
+            try:
+                copied = self.copier.outbox.get_nowait()
+            except queue.Empty:
+                return took
+            took = True
+            copy, success = copied.copy, copied.result.success
+            figures.copy_failures += not success
+            if copy.store:
+                manager.complete_store(copy.keys, copy.req, success)
+            else:
+                figures.mismatches += copied.wrong + (0 if success else len(copy.keys))
+                manager.complete_load(copy.keys, copy.req)
+            manager.on_request_finished(copy.req)
+            free.append(copy.group)
+
+    def _end_step(self, progressed: bool) -> None:
+        self.manager.on_schedule_end()
+        self.figures.steps += 1
+        if not progressed:
+            self.manager.wait_for_completions_blocking(self.idle_s)
+
+
+# ----------------------------------------------------------------------- the run
+
+
+def chunk_keys(seed: int, count: int) -> list[OffloadKey]:
+    return [
+        make_offload_key(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=16).digest())
+        for i in range(count)
+    ]
+
+
+def on_loop(manager: TieringOffloadingManager, fn: Any) -> Any:
+    """Run the coroutine function ``fn`` on the manager's loop thread and return its result."""
+    assert manager.loop is not None
+    return asyncio.run_coroutine_threadsafe(fn(), manager.loop.loop).result()
+
+
+def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    chunk = int(args.chunk_mib * MIB)
+    count = max(1, int(args.gib * GIB) // chunk // args.job_chunks) * args.job_chunks
+    tier = {"type": "fs", "root_dir": str(root / "tier"), **tier_options(args.tier_option)}
+    config = OffloadingConfig(
+        engine_id=f"bench-serving-{uuid.uuid4().hex[:8]}",
+        kv_bytes_per_block=chunk,
+        model_name="bench",
+        extra_config={
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": int(args.primary_gib * GIB),
+            "secondary_tiers": [tier],
+        },
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    blocks = (args.in_flight + 2) * args.job_chunks
+    caches = [
+        torch.zeros((blocks, chunk // 2 // 8), dtype=torch.int64, device=device) for _ in range(2)
+    ]
+    cache_mode = "dropped" if args.page_cache == "drop" and drop_caches() else "o_direct"
+    spec = OffloadingSpecFactory.create_spec(config)
+    try:
+        manager = spec.get_manager()
+        worker = spec.create_worker(caches)
+        fs = manager.tiers[0]
+        direct_write = bool(getattr(fs, "o_direct", False))
+        read_depth = getattr(getattr(fs, "settings", None), "read_depth", 1)
+        write_depth = getattr(getattr(fs, "settings", None), "write_depth", 1)
+        chunk = spec.chunk_bytes  # rounded up to whole pages
+        raw_before = raw_reference(
+            root / "raw-before",
+            count,
+            chunk,
+            direct_write=direct_write,
+            cache=cache_mode,
+            depth=read_depth,
+        )
+        copier = CopyThread(worker, Patterns(caches, args.seed))
+        copier.start()
+        probe = LagProbe()
+
+        async def start_probe() -> None:
+            probe.start()
+
+        on_loop(manager, start_probe)
+        keys = chunk_keys(args.seed, count)
+        requests = [keys[i : i + args.job_chunks] for i in range(0, count, args.job_chunks)]
+        scheduler = Scheduler(
+            manager, copier, args.job_chunks, args.in_flight, args.timeout_s, args.idle_ms / 1e3
+        )
+        try:
+            cpu = time.process_time()
+            probe.phase = "store"
+            store_s = scheduler.store_all(requests)
+            store_cpu = time.process_time() - cpu
+            probe.phase = None
+            manager.reset_cache()
+            if cache_mode == "dropped":
+                drop_caches()
+            else:
+                drop_page_cache([path for path in (root / "tier").rglob("*") if path.is_file()])
+            order = list(requests)
+            random.Random(args.seed).shuffle(order)
+            cpu = time.process_time()
+            probe.phase = "load"
+            load_s = scheduler.load_all(order)
+            load_cpu = time.process_time() - cpu
+            probe.phase = None
+        finally:
+            copier.inbox.put(None)
+            copier.join()
+            on_loop(manager, probe.stop)
+        manager.on_schedule_end()
+        stats = manager.tier_stats()[manager.tier_labels[0]]
+        job_times = manager.promotion_job_times()[manager.tier_labels[0]]
+    finally:
+        spec.shutdown()
+    raw_after = raw_reference(
+        root / "raw-after",
+        count,
+        chunk,
+        direct_write=direct_write,
+        cache=cache_mode,
+        depth=read_depth,
+    )
+    raw_read = statistics.mean([raw_before.read_gbps, raw_after.read_gbps])
+    raw_write = statistics.mean([raw_before.write_gbps, raw_after.write_gbps])
+    total = count * chunk
+    figures = scheduler.figures
+    lags = probe.by_phase.get("store", []) + probe.by_phase.get("load", [])
+    job_bytes = args.job_chunks * chunk
+    promotion_gbps = total / load_s / 1e9
+    store_gbps = total / store_s / 1e9
+    return {
+        "promotion_gbps": promotion_gbps,
+        "promotion_ratio": promotion_gbps / raw_read,
+        "store_gbps": store_gbps,
+        "store_ratio": store_gbps / raw_write,
+        "promotion_p50_ms": percentile(job_times, 0.5) * 1e3,
+        "promotion_p99_ms": percentile(job_times, 0.99) * 1e3,
+        "promotion_p50_budget_ms": 1.5 * job_bytes / (raw_read * 1e9) * 1e3,
+        "promotion_p99_budget_ms": 3 * job_bytes / (raw_read * 1e9) * 1e3,
+        "request_wait_p50_ms": percentile(figures.promotion_s, 0.5) * 1e3,
+        "request_wait_p99_ms": percentile(figures.promotion_s, 0.99) * 1e3,
+        "loop_lag_p99_ms": percentile(lags, 0.99) * 1e3,
+        "mismatches": figures.mismatches,
+        "raw_read_gbps": raw_read,
+        "raw_write_gbps": raw_write,
+        "raw_read_gbps_before": raw_before.read_gbps,
+        "raw_read_gbps_after": raw_after.read_gbps,
+        "raw_write_gbps_before": raw_before.write_gbps,
+        "raw_write_gbps_after": raw_after.write_gbps,
+        "raw_read_one_thread_gbps": statistics.mean(
+            [raw_before.read_one_gbps, raw_after.read_one_gbps]
+        ),
+        "raw_read_deep_gbps": statistics.mean(
+            [raw_before.read_deep_gbps, raw_after.read_deep_gbps]
+        ),
+        "raw_write_one_thread_gbps": statistics.mean(
+            [raw_before.write_one_gbps, raw_after.write_one_gbps]
+        ),
+        "raw_write_deep_gbps": statistics.mean(
+            [raw_before.write_deep_gbps, raw_after.write_deep_gbps]
+        ),
+        "page_cache": cache_mode,
+        "raw_write_o_direct": direct_write,
+        "loop_lag_p50_ms": percentile(lags, 0.5) * 1e3,
+        "loop_lag_store_p99_ms": percentile(probe.by_phase.get("store", []), 0.99) * 1e3,
+        "loop_lag_load_p99_ms": percentile(probe.by_phase.get("load", []), 0.99) * 1e3,
+        "promotion_jobs": len(job_times),
+        "resident_requests": figures.resident_requests,
+        "lookup_misses": figures.lookup_misses,
+        "copy_failures": figures.copy_failures,
+        "integrity_failures": int(stats["integrity_failures"]),
+        "fs_bytes_read": int(stats["bytes_read"]),
+        "fs_bytes_written": int(stats["bytes_written"]),
+        "store_cpu_s": store_cpu,
+        "load_cpu_s": load_cpu,
+        "steps": figures.steps,
+        "steps_per_s": figures.steps / (store_s + load_s),
+        "chunks": count,
+        "chunk_bytes": chunk,
+        "job_chunks": args.job_chunks,
+        "in_flight": args.in_flight,
+        "read_depth": read_depth,
+        "write_depth": write_depth,
+        "device": device,
+    }
+
+
+def report(figures: dict[str, Any]) -> None:
+    total = figures["chunks"] * figures["chunk_bytes"] / GIB
+    print(
+        f"serving path: {total:.2f} GiB of {figures['chunk_bytes'] / MIB:g} MiB chunks in "
+        f"{figures['job_chunks']}-chunk requests, {figures['in_flight']} loads in flight, "
+        f"fs tier depth {figures['read_depth']} read / {figures['write_depth']} write, "
+        f"page cache {figures['page_cache']}, KV tensors on {figures['device']}"
+    )
+    print(
+        f"  stores      {figures['store_gbps']:6.2f} GB/s   raw pwritev "
+        f"{figures['raw_write_gbps']:6.2f} GB/s (before {figures['raw_write_gbps_before']:.2f}, "
+        f"after {figures['raw_write_gbps_after']:.2f})   ratio {figures['store_ratio']:.2f}"
+    )
+    print(
+        f"  promotions  {figures['promotion_gbps']:6.2f} GB/s   raw preadv  "
+        f"{figures['raw_read_gbps']:6.2f} GB/s (before {figures['raw_read_gbps_before']:.2f}, "
+        f"after {figures['raw_read_gbps_after']:.2f})   ratio {figures['promotion_ratio']:.2f}"
+    )
+    print(
+        f"  promotion job time p50 {figures['promotion_p50_ms']:.1f} ms (budget "
+        f"{figures['promotion_p50_budget_ms']:.1f}), p99 {figures['promotion_p99_ms']:.1f} ms "
+        f"(budget {figures['promotion_p99_budget_ms']:.1f}) over {figures['promotion_jobs']} "
+        f"jobs; a request's wait for its chunks p50 {figures['request_wait_p50_ms']:.1f} ms, "
+        f"p99 {figures['request_wait_p99_ms']:.1f} ms"
+    )
+    print(
+        f"  loop lag p50 {figures['loop_lag_p50_ms']:.2f} ms, p99 "
+        f"{figures['loop_lag_p99_ms']:.2f} ms; CPU {figures['store_cpu_s']:.1f} s storing, "
+        f"{figures['load_cpu_s']:.1f} s loading"
+    )
+    print(
+        f"  scheduler: {figures['lookup_hit_ops_s'] / 1e6:.2f} M lookups/s, "
+        f"{figures['store_cycle_ops_s'] / 1e3:.0f} k store cycles/s; "
+        f"{figures['mismatches']} mismatched chunks"
+    )
+    print(
+        json.dumps(
+            {
+                name: round(value, 4) if isinstance(value, float) else value
+                for name, value in figures.items()
+            }
+        )
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="kvtier-serving-", dir=args.root))
+    try:
+        figures = run(args, root)
+    except ConfigError as exc:  # a bad --tier-option: say which, without a traceback
+        raise SystemExit(f"serving_path.py: {exc}") from None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rates = measure_scheduler(args.lookups, args.store_cycles, stored=args.stored)
+    figures["lookup_hit_ops_s"] = rates["lookups_per_s"]
+    figures["store_cycle_ops_s"] = rates["store_cycles_per_s"]
+    report(figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""benchmarks/serving_path.py, run briefly as a user runs it: its JSON and its integrity."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_path.py"
+
+#: The figures the serving-path issue asks for, by name.
+REQUIRED = {
+    "promotion_gbps",
+    "promotion_ratio",
+    "store_gbps",
+    "store_ratio",
+    "promotion_p50_ms",
+    "promotion_p99_ms",
+    "promotion_p99_budget_ms",
+    "loop_lag_p99_ms",
+    "lookup_hit_ops_s",
+    "store_cycle_ops_s",
+    "mismatches",
+}
+
+
+@pytest.mark.slow
+def test_a_quick_serving_path_run_reports_every_figure_and_no_mismatch(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert REQUIRED - figures.keys() == set()
+    assert figures["mismatches"] == 0
+    # Everything stored went to the fs tier and came back from it.
+    assert figures["fs_bytes_read"] == figures["chunks"] * figures["chunk_bytes"]
+    assert figures["promotion_jobs"] == figures["chunks"] // figures["job_chunks"]
+    assert list(tmp_path.iterdir()) == []  # the run cleans up after itself
+
+
+def test_bad_sizes_are_refused_with_the_flag_named():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--in-flight", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--in-flight must be at least 1" in done.stderr
+
+
+def test_an_unknown_tier_option_is_named_without_a_traceback(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--root", str(tmp_path), "--tier-option", "x=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "secondary_tiers[0].x: unknown setting" in done.stderr
+    assert "Traceback" not in done.stderr
