@@ -6,7 +6,13 @@ The names below are the public contract; everything else may move between releas
 from kvtier.config import OffloadingConfig
 from kvtier.errors import ConfigError
 from kvtier.facade import KVTier
-from kvtier.keys import OffloadKey, key_block_hash, key_group_idx, make_offload_key
+from kvtier.keys import (
+    OffloadKey,
+    key_block_hash,
+    key_group_idx,
+    make_offload_key,
+    prefix_keys,
+)
 from kvtier.policies import CachePolicy, CachePolicyFactory
 from kvtier.records import (
     LookupResult,
@@ -53,4 +59,5 @@ __all__ = [
     "key_block_hash",
     "key_group_idx",
     "make_offload_key",
+    "prefix_keys",
 ]

@@ -27,6 +27,7 @@ DESIGN_NAMES = [
     "JobResult",
     "SharedOffloadRegion",
     "KVTier",
+    "prefix_keys",
 ]
 
 

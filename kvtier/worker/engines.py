@@ -4,11 +4,12 @@ An engine enqueues the copies of one job and returns a :class:`CopyEvent` that s
 when they are done. The worker owns everything around it (argument checks, timing,
 waiting, results), so an engine is only the copies.
 
-- :class:`CpuCopyEngine` copies at once on the calling thread (CPU tensors; also the
-  stand-in for a GPU when CUDA is absent).
-- :class:`ThreadedCopyEngine` copies on background threads, optionally held back by a
-  gate or slowed down, so the waiting, cancellation and shutdown paths of the worker
-  run in tests exactly as they do with a GPU.
+- :class:`CpuCopyEngine` copies CPU tensors (the stand-in for a GPU when CUDA is
+  absent) on one background thread per direction, so the caller, often an event loop,
+  never waits for the bytes.
+- :class:`ThreadedCopyEngine` is the CPU engine with copies that a test can hold back
+  with a gate, slow down or make fail, so the waiting, cancellation and shutdown paths
+  of the worker run in tests exactly as they do with a GPU.
 - :class:`~kvtier.worker.cuda.CudaCopyEngine` enqueues on dedicated CUDA streams.
 """
 
@@ -19,6 +20,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -79,7 +81,8 @@ class CopyEngine(ABC):
     ``gpu_block_ids`` (``int64``, CPU) holds ``blocks_per_chunk`` block ids per chunk,
     in order; ``chunk_ids`` (``int64``, CPU) holds one slot per chunk. The worker has
     validated both. An engine never blocks its caller for longer than it takes to
-    enqueue the copies (the CPU engine, which has nothing to enqueue on, copies).
+    enqueue the copies: the caller may be an event loop. An engine that copies at once
+    anyway returns :data:`COMPLETED`.
     """
 
     layout: ColumnLayout
@@ -100,63 +103,72 @@ class CopyEngine(ABC):
         """Release engine resources; every event it returned is complete by then."""
 
 
-def _chunk_runs(gpu_block_ids: torch.Tensor, blocks_per_chunk: int) -> list[tuple[int, list[int]]]:
-    """Per chunk: its first GPU block when its blocks are consecutive (-1 if not), and all."""
-    runs: list[tuple[int, list[int]]] = []
-    ids = gpu_block_ids.tolist()
-    for start in range(0, len(ids), blocks_per_chunk):
-        chunk = ids[start : start + blocks_per_chunk]
-        consecutive = chunk[-1] - chunk[0] == blocks_per_chunk - 1 and chunk == list(
-            range(chunk[0], chunk[0] + blocks_per_chunk)
-        )
-        runs.append((chunk[0] if consecutive else -1, chunk))
+@dataclass(frozen=True)
+class _Run:
+    """``count`` chunks in adjacent slots from ``slot`` whose blocks are adjacent too,
+    from ``first`` on; or one chunk (``first`` -1) whose blocks are scattered."""
+
+    slot: int
+    first: int
+    count: int
+    blocks: list[int]
+
+
+def _runs(gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, bpc: int) -> list[_Run]:
+    ids, slots = gpu_block_ids.tolist(), chunk_ids.tolist()
+    runs: list[_Run] = []
+    for index, slot in enumerate(slots):
+        chunk = ids[index * bpc : (index + 1) * bpc]
+        if chunk != list(range(chunk[0], chunk[0] + bpc)):
+            runs.append(_Run(slot, -1, 1, chunk))
+            continue
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last.first >= 0
+            and (slot == last.slot + last.count and chunk[0] == last.first + last.count * bpc)
+        ):
+            runs[-1] = _Run(last.slot, last.first, last.count + 1, [])
+        else:
+            runs.append(_Run(slot, chunk[0], 1, []))
     return runs
 
 
-# CPU copies go chunk by chunk and tensor by tensor, each one a plain memory copy of a
-# contiguous range: torch's index_copy_ walks byte by byte here and measured 1-1.5 GB/s
-# against 5-6 GB/s for these copies (benchmarks/gpu_copy.py on the CPU).
+# CPU copies go tensor by tensor and run by run, each one a plain (strided) memory copy:
+# torch's index_copy_ walks byte by byte here and measured 1-1.5 GB/s against 5-6 GB/s
+# for these copies (benchmarks/gpu_copy.py on the CPU). Merging adjacent chunks into one
+# copy matters off the loop's thread too: torch lets go of the GIL only inside a copy,
+# and the event loop gets it back reliably only during copies long enough for its
+# thread to wake (else it waits out the 5 ms switch interval).
 
 
 def copy_store(layout: ColumnLayout, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> None:
     """GPU blocks -> slots, on CPU tensors."""
     bpc = layout.blocks_per_chunk
-    runs = _chunk_runs(gpu_block_ids, bpc)
-    slots = chunk_ids.tolist()
+    runs = _runs(gpu_block_ids, chunk_ids, bpc)
     for part in layout.slices:
         blocks, region = part.blocks, part.region_view
-        for slot, (first, chunk) in zip(slots, runs, strict=True):
-            if first >= 0:
-                region[slot].copy_(blocks[first : first + bpc])
+        for run in runs:
+            if run.first >= 0:
+                source = blocks[run.first : run.first + run.count * bpc]
+                region[run.slot : run.slot + run.count].copy_(source.view(run.count, bpc, -1))
             else:
-                torch.index_select(blocks, 0, torch.tensor(chunk), out=region[slot])
+                torch.index_select(blocks, 0, torch.tensor(run.blocks), out=region[run.slot])
 
 
 def copy_load(layout: ColumnLayout, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor) -> None:
     """Slots -> GPU blocks, on CPU tensors."""
     bpc = layout.blocks_per_chunk
-    runs = _chunk_runs(gpu_block_ids, bpc)
-    slots = chunk_ids.tolist()
+    runs = _runs(gpu_block_ids, chunk_ids, bpc)
     for part in layout.slices:
         blocks, region = part.blocks, part.region_view
-        for slot, (first, chunk) in zip(slots, runs, strict=True):
-            if first >= 0:
-                blocks[first : first + bpc].copy_(region[slot])
+        for run in runs:
+            if run.first >= 0:
+                target = blocks[run.first : run.first + run.count * bpc]
+                target.view(run.count, bpc, -1).copy_(region[run.slot : run.slot + run.count])
             else:
-                for j, block in enumerate(chunk):
-                    blocks[block].copy_(region[slot, j])
-
-
-class CpuCopyEngine(CopyEngine):
-    """Copies on the caller's thread; every event it returns is already complete."""
-
-    def store(self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> CopyEvent:
-        copy_store(self.layout, gpu_block_ids, chunk_ids)
-        return COMPLETED
-
-    def load(self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor) -> CopyEvent:
-        copy_load(self.layout, chunk_ids, gpu_block_ids)
-        return COMPLETED
+                for j, block in enumerate(run.blocks):
+                    blocks[block].copy_(region[run.slot, j])
 
 
 class _ThreadEvent(CopyEvent):
@@ -178,30 +190,26 @@ class _ThreadEvent(CopyEvent):
         self._done.set()
 
 
-class ThreadedCopyEngine(CopyEngine):
-    """Copies on one background thread per lane, like a GPU's copy streams.
+_Lane = queue.SimpleQueue[tuple[Callable[[], None], _ThreadEvent] | None]
 
-    ``gate`` (set by default) must be set before a queued copy starts: a test clears it
-    to hold copies in flight. ``delay_s`` sleeps before each copy. :meth:`fail_next`
-    makes the next copies raise instead of copying.
+
+class CpuCopyEngine(CopyEngine):
+    """Copies CPU tensors on one background thread per lane (store, load).
+
+    On the caller's thread these copies stalled an async host's event loop for their
+    whole length (24-34 ms per 1.8k tokens of a 30-layer model here). One thread per
+    lane, not a pool: a lane's jobs then complete in submission order, which the
+    worker's waiter relies on, loads never queue behind stores, and more threads would
+    not copy faster, since the copies are bound by memory bandwidth and would only take
+    cores from the loop and the model. torch releases the GIL inside each copy, so the
+    loop keeps running meanwhile. A job, once queued, always runs to its end: nothing
+    cancels it half way, and :meth:`close` lets the queued ones finish first.
     """
 
-    def __init__(self, *, delay_s: float = 0.0, gate: threading.Event | None = None) -> None:
-        self.delay_s = delay_s
-        self.gate = gate if gate is not None else threading.Event()
-        if gate is None:
-            self.gate.set()
-        self.copies_started = 0
-        self._failures_left = 0
-        self._lock = threading.Lock()
-        self._queues: dict[
-            str, queue.SimpleQueue[tuple[Callable[[], None], _ThreadEvent] | None]
-        ] = {}
+    def __init__(self) -> None:
+        self._lanes: dict[str, _Lane] = {}
         self._threads: list[threading.Thread] = []
-
-    def fail_next(self, count: int = 1) -> None:
-        with self._lock:
-            self._failures_left += count
+        self._lanes_lock = threading.Lock()
 
     def store(self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> CopyEvent:
         layout = self.layout
@@ -212,44 +220,83 @@ class ThreadedCopyEngine(CopyEngine):
         return self._enqueue(LOAD, lambda: copy_load(layout, chunk_ids, gpu_block_ids))
 
     def close(self) -> None:
-        for lane_queue in self._queues.values():
-            lane_queue.put(None)
-        for thread in self._threads:
+        with self._lanes_lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+            threads, self._threads = self._threads, []
+        for lane in lanes:
+            lane.put(None)
+        for thread in threads:
             thread.join()
-        self._queues.clear()
-        self._threads.clear()
 
-    def _enqueue(self, lane: str, copy: Callable[[], None]) -> CopyEvent:
-        lane_queue = self._queues.get(lane)
-        if lane_queue is None:
-            lane_queue = self._queues[lane] = queue.SimpleQueue()
-            thread = threading.Thread(
-                target=self._run, args=(lane_queue,), name=f"kvtier-fake-{lane}", daemon=True
-            )
-            thread.start()
-            self._threads.append(thread)
-        event = _ThreadEvent(lane)
-        lane_queue.put((copy, event))
+    def bind(self, layout: ColumnLayout) -> None:
+        super().bind(layout)
+        # Started now, not at the first copy: a starting thread waits for the GIL,
+        # which a copy thread already running holds for up to the switch interval.
+        for name in (STORE, LOAD):
+            self._lane(name)
+
+    def before_copy(self) -> None:
+        """Runs on the lane thread before each copy; raising fails that job."""
+
+    def _lane(self, name: str) -> _Lane:
+        with self._lanes_lock:
+            lane = self._lanes.get(name)
+            if lane is None:
+                lane = self._lanes[name] = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=self._run, args=(lane,), name=f"kvtier-copy-{name}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+            return lane
+
+    def _enqueue(self, name: str, copy: Callable[[], None]) -> CopyEvent:
+        event = _ThreadEvent(name)
+        self._lane(name).put((copy, event))
         return event
 
-    def _run(
-        self, lane_queue: queue.SimpleQueue[tuple[Callable[[], None], _ThreadEvent] | None]
-    ) -> None:
-        while (item := lane_queue.get()) is not None:
+    def _run(self, lane: _Lane) -> None:
+        while (item := lane.get()) is not None:
             copy, event = item
-            self.gate.wait()
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            with self._lock:
-                self.copies_started += 1
-                fail = self._failures_left > 0
-                if fail:
-                    self._failures_left -= 1
             try:
-                if fail:
-                    raise RuntimeError("injected copy failure")
+                self.before_copy()
                 copy()
             except BaseException as exc:  # handed to whoever waits on the event
                 event.finish(exc)
             else:
                 event.finish(None)
+
+
+class ThreadedCopyEngine(CpuCopyEngine):
+    """The CPU engine with copies a test controls, like a GPU's copy streams.
+
+    ``gate`` (set by default) must be set before a queued copy starts: a test clears it
+    to hold copies in flight. ``delay_s`` sleeps before each copy. :meth:`fail_next`
+    makes the next copies raise instead of copying.
+    """
+
+    def __init__(self, *, delay_s: float = 0.0, gate: threading.Event | None = None) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.gate = gate if gate is not None else threading.Event()
+        if gate is None:
+            self.gate.set()
+        self.copies_started = 0
+        self._failures_left = 0
+        self._lock = threading.Lock()
+
+    def fail_next(self, count: int = 1) -> None:
+        with self._lock:
+            self._failures_left += count
+
+    def before_copy(self) -> None:
+        self.gate.wait()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        with self._lock:
+            self.copies_started += 1
+            fail = self._failures_left > 0
+            if fail:
+                self._failures_left -= 1
+        if fail:
+            raise RuntimeError("injected copy failure")

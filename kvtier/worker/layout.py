@@ -1,24 +1,30 @@
 """How a worker's KV tensors pack into its column of the primary region.
 
 Each KV tensor (a layer, a K or V half, a KV-cache group: whatever the host passes)
-has the GPU block index as its first dimension. A chunk is ``blocks_per_chunk``
-consecutive GPU blocks of one request. Inside the rank's column of a slot the tensors
-follow one another in the order the host passed them, each holding its
-``blocks_per_chunk`` blocks back to back::
+has the GPU block index as its first dimension and each block's bytes contiguous. A
+chunk is ``blocks_per_chunk`` GPU blocks of one request. Inside the rank's column of a
+slot the tensors follow one another in the order the host passed them, each holding
+its ``blocks_per_chunk`` blocks back to back::
 
     | tensor 0: block 0 .. block b-1 | tensor 1: block 0 .. block b-1 | ... |
 
 so one tensor's part of a chunk is one contiguous byte range of the column.
+
+vLLM's FlashAttention layout, per-layer tensors shaped ``(2, num_blocks, ...)`` (K and
+V stacked in front of the block index), is read as two tensors, the layer's K then its
+V, each with the block index first. When the tensors read right both ways (two blocks
+of two-block-first tensors), block index first wins.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ColumnLayout", "TensorSlice"]
+__all__ = ["ColumnLayout", "TensorSlice", "block_first_tensors"]
 
 
 @dataclass(frozen=True)
@@ -39,40 +45,24 @@ class ColumnLayout:
     """The KV tensors of one worker matched against its region column.
 
     Raises:
-        ValueError: the tensors disagree on the number of blocks, a block is not one
-            contiguous run of bytes, or the tensors' bytes per block do not add up to
-            the column's ``column_bytes / blocks_per_chunk``.
+        ValueError: the tensors read neither block index first nor as vLLM's
+            ``(2, num_blocks, ...)``, with as many blocks each and as many bytes per
+            block together as the column's ``column_bytes / blocks_per_chunk``; or a
+            block is not one contiguous run of bytes.
     """
 
     def __init__(
         self, kv_caches: Sequence[torch.Tensor], column: torch.Tensor, blocks_per_chunk: int
     ) -> None:
-        if not kv_caches:
-            raise ValueError("kv_caches is empty: a worker needs at least one KV tensor")
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
         self.column = column
         self.num_chunks, self.column_bytes = column.shape
         self.blocks_per_chunk = blocks_per_chunk
-        num_blocks = kv_caches[0].shape[0]
-        device = kv_caches[0].device
-        all_blocks: list[torch.Tensor] = []
-        for i, tensor in enumerate(kv_caches):
-            if tensor.dim() < 1 or tensor.shape[0] != num_blocks:
-                raise ValueError(
-                    f"kv_caches[{i}] has shape {tuple(tensor.shape)}; every KV tensor must "
-                    f"have the GPU block index first, with {num_blocks} blocks"
-                )
-            if tensor.device != device:
-                raise ValueError(f"kv_caches[{i}] is on {tensor.device}, kv_caches[0] on {device}")
-            all_blocks.append(_as_block_bytes(tensor, i))
-        per_block = sum(blocks.shape[1] for blocks in all_blocks)
-        if per_block * blocks_per_chunk != self.column_bytes:
-            raise ValueError(
-                f"the KV tensors hold {per_block} bytes per GPU block, but the region's "
-                f"column holds {self.column_bytes // blocks_per_chunk} (kv_bytes_per_block): "
-                "pass every KV tensor of this worker, or fix kv_bytes_per_block"
-            )
+        tensors = block_first_tensors(kv_caches, self.column_bytes // blocks_per_chunk)
+        num_blocks = tensors[0][1].shape[0]
+        device = tensors[0][1].device
+        all_blocks = [_as_block_bytes(tensor, name) for name, tensor in tensors]
         slices: list[TensorSlice] = []
         offset = 0
         for blocks in all_blocks:
@@ -86,16 +76,119 @@ class ColumnLayout:
         self.slices = tuple(slices)
         self.num_gpu_blocks = num_blocks
         self.device = device
+        #: How the host's tensors were read: as they are, or split into K and V views.
+        self.split_kv = len(tensors) != len(kv_caches)
 
 
-def _as_block_bytes(tensor: torch.Tensor, index: int) -> torch.Tensor:
+def block_first_tensors(
+    kv_caches: Sequence[torch.Tensor], block_bytes: int
+) -> list[tuple[str, torch.Tensor]]:
+    """``kv_caches`` as named tensors with the block index first, ``block_bytes`` per block.
+
+    Tensors with the block index first come back as they are (``kv_caches[i]``); vLLM's
+    per-layer ``(2, num_blocks, ...)`` tensors come back as K and V views
+    (``kv_caches[i][0]``, ``kv_caches[i][1]``).
+
+    Raises:
+        ValueError: neither reading fits; the message says what to pass, which
+            dimension is off and the bytes per block expected against found.
+    """
+    if not kv_caches:
+        raise ValueError("kv_caches is empty: a worker needs at least one KV tensor")
+    for i, tensor in enumerate(kv_caches):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"kv_caches[{i}] is a {type(tensor).__name__}, not a torch.Tensor")
+        if tensor.dim() < 1:
+            raise ValueError(f"kv_caches[{i}] is a scalar; KV tensors have the block index first")
+        if tensor.device != kv_caches[0].device:
+            raise ValueError(
+                f"kv_caches[{i}] is on {tensor.device}, kv_caches[0] on {kv_caches[0].device}"
+            )
+    as_given = [(f"kv_caches[{i}]", tensor) for i, tensor in enumerate(kv_caches)]
+    given_misfit = _misfit(as_given, block_bytes)
+    if given_misfit is None:
+        return as_given
+    not_vllm = next(
+        (
+            f"kv_caches[{i}] {tuple(tensor.shape)} has {tensor.shape[0]}, not 2 (K and V), "
+            "in dimension 0"
+            for i, tensor in enumerate(kv_caches)
+            if tensor.dim() < 2 or tensor.shape[0] != 2
+        ),
+        None,
+    )
+    if not_vllm is None:
+        as_vllm = [
+            (f"kv_caches[{i}][{half}]", view)
+            for i, tensor in enumerate(kv_caches)
+            for half, view in enumerate(tensor.unbind(0))
+        ]
+        vllm_misfit = _misfit(as_vllm, block_bytes)
+        if vllm_misfit is None:
+            return as_vllm
+        vllm = f"Read as vLLM's (2, num_blocks, ...), split into K and V: {vllm_misfit}"
+    else:
+        vllm = f"Nor is it vLLM's (2, num_blocks, ...): {not_vllm}."
+    raise ValueError(
+        f"kv_caches do not fit kv_bytes_per_block={block_bytes}. Pass tensors with the "
+        "block index first, (num_blocks, ...), each block's bytes contiguous (as "
+        "kvtier.paged.PagedKVLayout.allocate builds them), or vLLM's per-layer "
+        "(2, num_blocks, ...) tensors; either way the same number of blocks in every "
+        f"tensor and {block_bytes} bytes per block in all of them together. "
+        f"Read block index first: {given_misfit} {vllm}"
+        f"{_block_dim_hint(kv_caches, block_bytes)}"
+    )
+
+
+def _misfit(tensors: Sequence[tuple[str, torch.Tensor]], block_bytes: int) -> str | None:
+    """Why ``tensors`` are not block-first with ``block_bytes`` per block; None if they are."""
+    first_name, first = tensors[0]
+    num_blocks = first.shape[0]
+    for name, tensor in tensors:
+        if tensor.shape[0] != num_blocks:
+            return (
+                f"{name} {tuple(tensor.shape)} has {tensor.shape[0]} in dimension 0, the "
+                f"block index, where {first_name} has {num_blocks}."
+            )
+    found = sum(_bytes_per_block(tensor) for _, tensor in tensors)
+    if found != block_bytes:
+        shapes = ", ".join(str(tuple(tensor.shape)) for _, tensor in tensors[:3])
+        more = ", ..." if len(tensors) > 3 else ""
+        return (
+            f"the {len(tensors)} tensors ({shapes}{more}) hold {found} bytes per block "
+            f"(dimensions 1 onward), {block_bytes} expected."
+        )
+    return None
+
+
+def _block_dim_hint(kv_caches: Sequence[torch.Tensor], block_bytes: int) -> str:
+    """Point at a later dimension that would fit as the block index, if one does."""
+    first = kv_caches[0]
+    total = sum(tensor.numel() * tensor.element_size() for tensor in kv_caches)
+    for dim in range(1, first.dim()):
+        count = first.shape[dim]
+        if count < 2 or any(t.dim() <= dim or t.shape[dim] != count for t in kv_caches):
+            continue
+        if total == count * block_bytes:
+            return (
+                f" Dimension {dim} ({count}) would fit as the block index: it must come "
+                "first, or second after vLLM's 2, with each block's bytes contiguous."
+            )
+    return ""
+
+
+def _bytes_per_block(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
+def _as_block_bytes(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """View ``tensor`` as ``uint8`` rows of one block each, without copying."""
     if tensor.shape[0] == 0:
-        raise ValueError(f"kv_caches[{index}] has no blocks")
+        raise ValueError(f"{name} has no blocks")
     block = tensor[0]
     if not block.is_contiguous():
         raise ValueError(
-            f"kv_caches[{index}]: the bytes of one block must be contiguous "
+            f"{name}: the bytes of one block must be contiguous "
             f"(shape {tuple(tensor.shape)}, strides {tensor.stride()})"
         )
     per_block = block.numel()

@@ -74,6 +74,14 @@ class OffloadingWorker(AsyncResource):
 
     ``gpu_block_ids`` lists ``blocks_per_chunk`` GPU block ids per chunk, in order;
     ``chunk_ids`` one primary slot per chunk.
+
+    ``kv_caches`` are this rank's KV tensors, all with as many blocks and together
+    ``kv_bytes_per_block`` bytes per block: each with the block index first and each
+    block's bytes contiguous, or vLLM's per-layer ``(2, num_blocks, ...)`` tensors,
+    which are read as their K and V halves (:mod:`kvtier.worker.layout`).
+
+    Raises:
+        ValueError: ``kv_caches`` fit neither layout; the message says what to pass.
     """
 
     def __init__(
@@ -86,12 +94,21 @@ class OffloadingWorker(AsyncResource):
     ) -> None:
         self.region = region
         self.layout = ColumnLayout(kv_caches, region.worker_column(), blocks_per_chunk)
+        if self.layout.split_kv:
+            logger.info(
+                "rank %s: %d KV tensors read as vLLM's (2, num_blocks, ...) layout, "
+                "each split into its K and V",
+                region.rank,
+                len(kv_caches),
+            )
         if engine is None:
             engine = _default_engine(region, self.layout)
         self.engine = engine
         self.engine.bind(self.layout)
         self._finished: deque[TransferResult] = deque()
-        self._waiters: dict[str, _Waiter] = {}
+        # Started now for the two lanes every engine has: a thread started while a copy
+        # thread runs waits for the GIL (up to the switch interval) on the caller's side.
+        self._waiters: dict[str, _Waiter] = {lane: _Waiter(lane) for lane in (STORE, LOAD)}
         self._inflight = 0
         self._idle = threading.Condition()
         self._ids = itertools.count(1 << 62)
@@ -210,8 +227,16 @@ class OffloadingWorker(AsyncResource):
 
         with self._idle:
             self._inflight += 1
-        if event is COMPLETED or event.query():
+        if event is COMPLETED:
             finish(None)
+            return
+        if event.query():
+            try:
+                event.synchronize()  # done: returns at once, or raises what failed
+            except BaseException as exc:  # the job failed; reported, not raised
+                finish(exc)
+            else:
+                finish(None)
             return
         waiter = self._waiters.get(event.lane)
         if waiter is None:

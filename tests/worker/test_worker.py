@@ -63,7 +63,7 @@ def test_a_chunk_packs_tensor_after_tensor_in_the_column(engine_id):
     manager = spec.get_manager()
     try:
         worker.submit_store(1, [6, 7], [2])
-        [result] = worker.get_finished()
+        [result] = wait_finished(worker, 1)
         assert result.job_id == 1 and result.success
         row = bytes(manager.region.primary_view[2])
         layer0, layer1 = (t.numpy().tobytes() for t in (kv[0][6:8], kv[1][6:8]))
@@ -105,7 +105,7 @@ def test_a_load_must_not_write_one_gpu_block_twice(engine_id):
 
 def test_kv_tensors_must_match_kv_bytes_per_block(engine_id):
     spec = OffloadingSpecFactory.create_spec(make_config(engine_id, kv_bytes_per_block=8192))
-    with pytest.raises(ValueError, match=r"hold 4096 bytes per GPU block.*kv_bytes_per_block"):
+    with pytest.raises(ValueError, match=r"kv_bytes_per_block=8192.*hold 4096 bytes per block"):
         spec.create_worker(kv_tensors())
     spec.shutdown()
 
@@ -229,6 +229,10 @@ def test_two_ranks_fill_one_row_together(engine_id):
     try:
         worker0.submit_store(1, [4], [7])
         worker1.submit_store(1, [4], [7])
+        assert [r.success for r in wait_finished(worker0, 1) + wait_finished(worker1, 1)] == [
+            True,
+            True,
+        ]
         row = bytes(manager.region.primary_view[7])
         assert row[:3072] == kv0[0][4].numpy().tobytes()
         assert row[4096 : 4096 + 3072] == kv1[0][4].numpy().tobytes()
