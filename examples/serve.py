@@ -260,7 +260,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
             try:
                 yield
             finally:
-                served.compute.shutdown(wait=True)
+                # A generation still running finishes before kvtier closes under it.
+                await asyncio.to_thread(served.compute.shutdown, wait=True)
 
     app.cleanup_ctx.append(lifespan)
     return app

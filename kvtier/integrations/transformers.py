@@ -338,9 +338,10 @@ class PrefixCache:
             KVTierError: the facade is closed, or a copy failed.
         """
         keys = self.keys(list(token_ids)[:-1])
-        restored = Restored(cache=None, tokens=0, chunks=0)
-        keys_parts: list[list[torch.Tensor]] = [[] for _ in self.kv_caches]
-        values_parts: list[list[torch.Tensor]] = [[] for _ in self.kv_caches]
+        cache = (
+            DynamicCache() if self.model_config is None else DynamicCache(config=self.model_config)
+        )
+        restored = Restored(cache=cache, tokens=0, chunks=0)
         bpc = self.blocks_per_chunk
         while restored.chunks < len(keys):
             window = keys[restored.chunks : restored.chunks + self.window_chunks]
@@ -353,12 +354,9 @@ class PrefixCache:
                     loaded = await self.kv.load(window[:hits], blocks[: hits * bpc], req_id)
                 copied = time.perf_counter()
                 if loaded:
-                    gathered = await anyio.to_thread.run_sync(
-                        self._gather, blocks[: loaded * bpc], limiter=self._copy_limiter
+                    await anyio.to_thread.run_sync(
+                        self._gather, blocks[: loaded * bpc], cache, limiter=self._copy_limiter
                     )
-                    for layer, (k, v) in enumerate(gathered):
-                        keys_parts[layer].append(k)
-                        values_parts[layer].append(v)
                 restored.lookup_s += looked_up - started
                 restored.load_s += copied - looked_up
                 restored.gather_s += time.perf_counter() - copied
@@ -366,9 +364,6 @@ class PrefixCache:
             if loaded < len(window):
                 break
         restored.tokens = restored.chunks * self.chunk_tokens
-        started = time.perf_counter()
-        restored.cache = self._dynamic_cache(keys_parts, values_parts)
-        restored.gather_s += time.perf_counter() - started
         return restored
 
     async def store(
@@ -417,22 +412,27 @@ class PrefixCache:
 
     # --------------------------------------------------------------- copies
 
-    def _gather(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        index = torch.tensor(blocks, dtype=torch.long)
+    def _gather(self, blocks: list[int], cache: Any) -> None:
+        """Append the tokens of ``blocks`` to every layer of ``cache``."""
         layout = self.layout
-        tokens = len(blocks) * layout.tokens_per_block
-        out = []
-        for pool in self.kv_caches:
-            picked = pool.index_select(0, index)  # (n, 2, tpb, heads, dim), a copy
-            k = picked[:, 0].reshape(tokens, layout.num_kv_heads, layout.head_dim)
-            v = picked[:, 1].reshape(tokens, layout.num_kv_heads, layout.head_dim)
-            out.append(
-                (
-                    k.transpose(0, 1).unsqueeze(0).contiguous(),
-                    v.transpose(0, 1).unsqueeze(0).contiguous(),
-                )
-            )
-        return out
+        n, tpb, heads, dim = (
+            len(blocks),
+            layout.tokens_per_block,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
+        first = blocks[0]
+        consecutive = blocks == list(range(first, first + n))
+        index = None if consecutive else torch.tensor(blocks, dtype=torch.long)
+        for layer, pool in enumerate(self.kv_caches):
+            # (n, 2, tpb, heads, dim): a view of the pool when the blocks are consecutive.
+            picked = pool[first : first + n] if index is None else pool.index_select(0, index)
+            k = torch.empty((1, heads, n * tpb, dim), dtype=pool.dtype)
+            v = torch.empty((1, heads, n * tpb, dim), dtype=pool.dtype)
+            # (n, tpb, heads, dim) -> (heads, n, tpb, dim), in one copy each.
+            k.view(heads, n, tpb, dim).copy_(picked[:, 0].permute(2, 0, 1, 3))
+            v.view(heads, n, tpb, dim).copy_(picked[:, 1].permute(2, 0, 1, 3))
+            cache.update(k, v, layer)
 
     def _scatter(
         self,
@@ -449,20 +449,6 @@ class PrefixCache:
             pool[index, 0] = k[0, :, first_token:end].transpose(0, 1).reshape(shape)
             pool[index, 1] = v[0, :, first_token:end].transpose(0, 1).reshape(shape)
 
-    def _dynamic_cache(
-        self, keys_parts: list[list[torch.Tensor]], values_parts: list[list[torch.Tensor]]
-    ) -> Any:
-        cache = (
-            DynamicCache() if self.model_config is None else DynamicCache(config=self.model_config)
-        )
-        if not keys_parts[0]:
-            return cache
-        for layer, (ks, vs) in enumerate(zip(keys_parts, values_parts, strict=True)):
-            k = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
-            v = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
-            cache.update(k, v, layer)
-        return cache
-
     @contextlib.asynccontextmanager
     async def _blocks(self, count: int) -> AsyncIterator[list[int]]:
         """Take ``count`` blocks of the pool for one copy, waiting for others to return."""
@@ -472,7 +458,9 @@ class PrefixCache:
         try:
             yield taken
         finally:
-            self._free.extend(taken)
+            # Kept in order, so that blocks taken together are mostly consecutive and
+            # a gather reads them as one view instead of copying them out first.
+            self._free = sorted(self._free + taken)
             async with self._returned:
                 self._returned.notify_all()
 

@@ -9,6 +9,7 @@ the ``model`` session checks again on the real SmolLM2 weights.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 
@@ -305,3 +306,24 @@ def test_importing_kvtier_does_not_import_transformers():
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_a_prefix_restores_through_blocks_that_are_not_consecutive(engine_id, model, layout):
+    kv, pool = open_kv(engine_id, layout, cpu_tokens=1024, pool_blocks=8)
+    tokens = prompt(3 * CHUNK_TOKENS + 3)
+    async with kv:
+        prefix = PrefixCache(kv, layout, pool, model_config=model.config, window_chunks=2)
+        await serve(prefix, model, tokens)
+        stack = contextlib.AsyncExitStack()
+        first = await stack.enter_async_context(prefix._blocks(2))
+        # Another request's copy holds blocks 2 and 3 meanwhile, so the restore's first
+        # window of two chunks gets blocks 0, 1, 4 and 5.
+        async with prefix._blocks(2) as held:
+            await stack.aclose()
+            assert (first, held) == ([0, 1], [2, 3])
+            for tensor in pool:  # what the first request's copies left there goes
+                tensor.zero_()
+            cached, out, restored = await serve(prefix, model, tokens)
+    assert cached == 3 * CHUNK_TOKENS
+    assert_kv_equal(restored, computed_kv(model, tokens), 3 * CHUNK_TOKENS)
+    assert torch.equal(out, full_recompute(model, tokens))
