@@ -237,7 +237,8 @@ def model_section(root: str | None, quick: bool) -> tuple[str, str]:
             *(f"{ttft[m]['p50']:.0f} / {ttft[m]['p99']:.0f}" for m in modes),
             f"{r['speedup_fs']:.1f}x",
             f"{r['kvtier_share']:.1%}",
-            f"{r['decode_tokens_per_s']['no_cache']:.1f}",
+            f"{r['kvtier_ms_p50']['primary']:.0f} / {r['kvtier_ms_p50']['fs']:.0f}",
+            " / ".join(f"{r['decode_tokens_per_s'][m]:.1f}" for m in ("no_cache", "primary")),
             str(r["continuations_equal"]).lower(),
         ]
     ]
@@ -246,7 +247,8 @@ def model_section(root: str | None, quick: bool) -> tuple[str, str]:
         *(f"{m} TTFT ms p50 / p99" for m in modes),
         "speedup (fs)",
         "kvtier share",
-        "decode tok/s",
+        "kvtier ms p50 primary / fs",
+        "decode tok/s no cache / primary",
         "continuations equal",
     ]
     text = (
