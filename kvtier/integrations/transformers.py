@@ -46,6 +46,7 @@ import anyio
 import anyio.to_thread
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvtier import prefix_keys
 from kvtier.facade import KVTier
@@ -338,10 +339,10 @@ class PrefixCache:
             KVTierError: the facade is closed, or a copy failed.
         """
         keys = self.keys(list(token_ids)[:-1])
-        cache = (
-            DynamicCache() if self.model_config is None else DynamicCache(config=self.model_config)
-        )
-        restored = Restored(cache=cache, tokens=0, chunks=0)
+        restored = Restored(cache=self._new_cache(), tokens=0, chunks=0)
+        # Every restored token goes straight to its place in these, one copy from the
+        # pool; pages past the tokens restored are never touched, so never allocated.
+        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         bpc = self.blocks_per_chunk
         while restored.chunks < len(keys):
             window = keys[restored.chunks : restored.chunks + self.window_chunks]
@@ -354,8 +355,14 @@ class PrefixCache:
                     loaded = await self.kv.load(window[:hits], blocks[: hits * bpc], req_id)
                 copied = time.perf_counter()
                 if loaded:
+                    if not buffers:
+                        buffers = self._buffers(len(keys) * self.chunk_tokens)
                     await anyio.to_thread.run_sync(
-                        self._gather, blocks[: loaded * bpc], cache, limiter=self._copy_limiter
+                        self._gather,
+                        blocks[: loaded * bpc],
+                        buffers,
+                        restored.chunks * self.chunk_tokens,
+                        limiter=self._copy_limiter,
                     )
                 restored.lookup_s += looked_up - started
                 restored.load_s += copied - looked_up
@@ -364,7 +371,27 @@ class PrefixCache:
             if loaded < len(window):
                 break
         restored.tokens = restored.chunks * self.chunk_tokens
+        if restored.tokens:
+            started = time.perf_counter()
+            for layer, (k, v) in enumerate(buffers):
+                _fill_layer(
+                    restored.cache, layer, k[:, :, : restored.tokens], v[:, :, : restored.tokens]
+                )
+            restored.gather_s += time.perf_counter() - started
         return restored
+
+    def _new_cache(self) -> Any:
+        if self.model_config is None:
+            return DynamicCache()
+        return DynamicCache(config=self.model_config)
+
+    def _buffers(self, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (1, self.layout.num_kv_heads, tokens, self.layout.head_dim)
+        dtype = self.layout.dtype
+        return [
+            (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+            for _ in self.kv_caches
+        ]
 
     async def store(
         self, token_ids: Sequence[int], cache: Any, req_id: str, *, skip_chunks: int = 0
@@ -412,8 +439,10 @@ class PrefixCache:
 
     # --------------------------------------------------------------- copies
 
-    def _gather(self, blocks: list[int], cache: Any) -> None:
-        """Append the tokens of ``blocks`` to every layer of ``cache``."""
+    def _gather(
+        self, blocks: list[int], buffers: list[tuple[torch.Tensor, torch.Tensor]], first_token: int
+    ) -> None:
+        """Copy the tokens of ``blocks`` into ``buffers`` from ``first_token`` on."""
         layout = self.layout
         n, tpb, heads, dim = (
             len(blocks),
@@ -424,15 +453,17 @@ class PrefixCache:
         first = blocks[0]
         consecutive = blocks == list(range(first, first + n))
         index = None if consecutive else torch.tensor(blocks, dtype=torch.long)
-        for layer, pool in enumerate(self.kv_caches):
+        end = first_token + n * tpb
+        for pool, (k, v) in zip(self.kv_caches, buffers, strict=True):
             # (n, 2, tpb, heads, dim): a view of the pool when the blocks are consecutive.
             picked = pool[first : first + n] if index is None else pool.index_select(0, index)
-            k = torch.empty((1, heads, n * tpb, dim), dtype=pool.dtype)
-            v = torch.empty((1, heads, n * tpb, dim), dtype=pool.dtype)
             # (n, tpb, heads, dim) -> (heads, n, tpb, dim), in one copy each.
-            k.view(heads, n, tpb, dim).copy_(picked[:, 0].permute(2, 0, 1, 3))
-            v.view(heads, n, tpb, dim).copy_(picked[:, 1].permute(2, 0, 1, 3))
-            cache.update(k, v, layer)
+            k[0, :, first_token:end].view(heads, n, tpb, dim).copy_(
+                picked[:, 0].permute(2, 0, 1, 3)
+            )
+            v[0, :, first_token:end].view(heads, n, tpb, dim).copy_(
+                picked[:, 1].permute(2, 0, 1, 3)
+            )
 
     def _scatter(
         self,
@@ -515,6 +546,21 @@ class PrefixRequest:
         return await self.prefix.store(
             self.token_ids, self.cache, self.req_id, skip_chunks=self.restored.chunks
         )
+
+
+def _fill_layer(cache: Any, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make layer ``index`` of an empty ``cache`` hold ``keys`` and ``values``.
+
+    ``update`` would copy them once more (it appends to what the layer holds); a plain
+    DynamicLayer is handed the tensors as they are instead, as it would hold the result
+    of its own first ``update``. Any other kind of layer goes through ``update``.
+    """
+    cache.update(keys[:, :, :0], values[:, :, :0], index)
+    layer = cache.layers[index]
+    if type(layer) is DynamicLayer and layer.keys.shape[-2] == 0:
+        layer.keys, layer.values = keys, values
+    else:
+        cache.update(keys, values, index)
 
 
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
