@@ -1,0 +1,6 @@
+"""Adapters between kvtier and model libraries.
+
+Each adapter lives in its own module and imports its library only there, so that
+``import kvtier`` never pulls in a model library: ``kvtier.integrations.transformers``
+needs the ``hf`` extra (``pip install 'kvtier[hf]'``).
+"""
