@@ -254,7 +254,8 @@ class MetricsRecorder:
         """
         self._source = source
 
-    def _pull(self) -> None:
+    def pull(self) -> None:
+        """Have the source (see :meth:`pull_from`) flush what it counted, now."""
         source = self._source
         if source is None:
             return
@@ -263,7 +264,8 @@ class MetricsRecorder:
         except Exception:
             logger.exception("flushing metrics for a collection failed")
 
-    def _metrics(self) -> Iterator[Counter | Gauge | Histogram]:
+    def prometheus_metrics(self) -> Iterator[Counter | Gauge | Histogram]:
+        """The Prometheus objects of every definition (collected by the registry)."""
         yield from self._counters.values()
         yield from self._gauges.values()
         yield from self._histograms.values()
@@ -308,10 +310,11 @@ class _PullingCollector:
 
     def describe(self) -> list[Metric]:
         # The names the registry checks for clashes, without flushing anything.
-        return [family for metric in self._recorder._metrics() for family in metric.describe()]
+        metrics = self._recorder.prometheus_metrics()
+        return [family for metric in metrics for family in metric.describe()]
 
     def collect(self) -> Iterator[Metric]:
         recorder = self._recorder
-        recorder._pull()
-        for metric in recorder._metrics():
+        recorder.pull()
+        for metric in recorder.prometheus_metrics():
             yield from metric.collect()

@@ -229,7 +229,7 @@ class _StatsRecorder(MetricsRecorder):
         The manager flushes its counts at most every so often; vLLM asking for stats is
         a collection like a scrape, so what the manager counted so far is flushed first.
         """
-        self._pull()
+        self.pull()
         with self._stats_lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
         return None if stats.is_empty() else stats
