@@ -248,8 +248,8 @@ class KVTier(AsyncResource):
                 del pins[key]
         if hits:
             manager.touch(keys[:hits], req)
-        # The lookup ends a step: its counts reach the metrics now, not at the next
-        # lookup that has to wait for a tier.
+        # The lookup ends a step: what it queued for the tiers (a lookup that gave up
+        # waiting may leave some) goes now, not at the next call that steps.
         manager.on_schedule_end()
         return hits
 
