@@ -25,6 +25,7 @@ __all__ = [
     "ChunkGeometry",
     "ConfigReader",
     "OffloadingConfig",
+    "chunk_row_bytes",
     "storage_namespace",
 ]
 
@@ -107,6 +108,11 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def chunk_row_bytes(kv_bytes_per_block: int, blocks_per_chunk: int, world_size: int) -> int:
+    """Bytes of one region row: every worker's column of one chunk, padded to a page."""
+    return round_up(kv_bytes_per_block * blocks_per_chunk * world_size, PAGE_SIZE)
+
+
 @dataclass(frozen=True)
 class ChunkGeometry:
     """How chunks map onto the primary region.
@@ -150,7 +156,9 @@ class ChunkGeometry:
             )
         blocks_per_chunk = block_size // config.tokens_per_block
         column_bytes = config.kv_bytes_per_block * blocks_per_chunk
-        chunk_bytes = round_up(column_bytes * config.world_size, PAGE_SIZE)
+        chunk_bytes = chunk_row_bytes(
+            config.kv_bytes_per_block, blocks_per_chunk, config.world_size
+        )
         num_chunks = cpu_bytes_to_use // chunk_bytes
         if num_chunks < 1:
             raise ConfigError(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvtier.config import PAGE_SIZE, OffloadingConfig, round_up
+from kvtier.config import OffloadingConfig, chunk_row_bytes
 
 __all__ = ["PagedKVLayout"]
 
@@ -94,7 +94,7 @@ class PagedKVLayout:
         _check_positive("tokens", tokens)
         _check_positive("world_size", world_size)
         blocks_per_chunk = self._blocks_per_chunk(tokens_per_chunk)
-        chunk_bytes = round_up(self.kv_bytes_per_block * blocks_per_chunk * world_size, PAGE_SIZE)
+        chunk_bytes = chunk_row_bytes(self.kv_bytes_per_block, blocks_per_chunk, world_size)
         return -(-tokens // tokens_per_chunk) * chunk_bytes
 
     def config(
