@@ -210,13 +210,13 @@ class FileSystemTier(SecondaryTier):
         """
         root = self.settings.root_dir.expanduser()
         path = f"{self.ctx.config_path}.root_dir"
-        if not await aiofiles.os.path.isdir(root):
-            for directory in (root, root.parent):
-                if await aiofiles.os.path.exists(directory):
-                    if not await aiofiles.os.path.isdir(directory):
-                        raise ConfigError(path, f"{directory} is not a directory")
-                    break
-            else:
+        isdir, exists = aiofiles.os.path.isdir, aiofiles.os.path.exists
+        if not await isdir(root):
+            if await exists(root):
+                raise ConfigError(path, f"{root} is not a directory")
+            if await exists(root.parent) and not await isdir(root.parent):
+                raise ConfigError(path, f"{root.parent} is not a directory")
+            if not await exists(root.parent):
                 raise ConfigError(
                     path,
                     f"{root.parent} does not exist: the fs tier creates root_dir, never its "
