@@ -7,12 +7,11 @@ of its own) and ``spec.create_worker(kv_caches)``. The scheduler runs on the mai
 thread; a worker thread does the copies (``submit_store`` / ``submit_load`` /
 ``get_finished``), as a GPU worker process would.
 
-1. Raw reference: one file of the same number of bytes written with ``os.pwritev``
-   (O_DIRECT when the tier writes that way) and synced, the page cache dropped, read
-   back with ``os.preadv``, in chunk-sized blocks, on the same filesystem: once by one
-   thread, once by as many threads as the tier's depth (O_DIRECT reads where the tier
-   reads so). The limit is the better of the two, so no ratio is taken against the
-   slower way of driving the disk.
+1. Raw reference: the raw disk limit ``kvtier bench`` uses
+   (``kvtier.bench.physical.measure_disk``): as many one-chunk files as the tier
+   stores, on the same filesystem, written with ``os.pwritev`` and read back cold with
+   ``os.preadv`` (both O_DIRECT where the tier uses it), by one thread and by the
+   tier's depth; the limit is the better of the two.
 2. Stores: ``--gib`` of distinct chunks, each holding a pattern derived from its key,
    stored as requests of ``--job-chunks`` chunks, one request per step
    (``prepare_store``, the worker's copy, ``complete_store``); the clock runs until
@@ -48,7 +47,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import mmap
 import os
 import queue
 import random
@@ -60,7 +58,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,7 +76,7 @@ from kvtier import (
     TieringOffloadingManager,
     make_offload_key,
 )
-from kvtier.bench.physical import drop_page_cache
+from kvtier.bench.physical import drop_page_cache, measure_disk
 from kvtier.records import TransferResult
 from kvtier.worker import OffloadingWorker
 
@@ -177,100 +174,6 @@ def drop_caches() -> bool:
     except OSError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class Raw:
-    #: One thread, one sequential stream: the classic ``dd``-like figure.
-    write_one_gbps: float
-    read_one_gbps: float
-    #: ``depth`` threads, each a contiguous part of the file, O_DIRECT where the tier
-    #: uses it: what the device gives to as many I/Os in flight as the tier keeps.
-    write_deep_gbps: float
-    read_deep_gbps: float
-
-    @property
-    def write_gbps(self) -> float:
-        """The limit: the better of the two ways, so no ratio is taken against a slow one."""
-        return max(self.write_one_gbps, self.write_deep_gbps)
-
-    @property
-    def read_gbps(self) -> float:
-        return max(self.read_one_gbps, self.read_deep_gbps)
-
-
-def raw_reference(
-    path: Path, count: int, chunk: int, *, direct_write: bool, cache: str, depth: int
-) -> Raw:
-    """One file of ``count`` chunks written with ``os.pwritev`` (+ fsync) and read back
-    cold with ``os.preadv``: by one thread, then by ``depth`` threads.
-
-    ``cache`` "dropped" drops the page cache before each read ("o_direct", where that
-    is not permitted, reads with O_DIRECT instead). The deep reads use O_DIRECT when the
-    tier writes with it (it then reads with it too), like the tier.
-    """
-    direct = getattr(os, "O_DIRECT", 0)
-    write_flags = os.O_WRONLY | os.O_CREAT | (direct if direct_write else 0)
-    one_read_flags = os.O_RDONLY | (direct if cache == "o_direct" else 0)
-    deep_read_flags = os.O_RDONLY | (direct if direct_write or cache == "o_direct" else 0)
-    try:
-        write_one = _timed_pass(path, write_flags, count, chunk, 1, write=True)
-        read_one = _timed_pass(path, one_read_flags, count, chunk, 1, cold=cache == "dropped")
-        write_deep = _timed_pass(path, write_flags, count, chunk, depth, write=True)
-        read_deep = _timed_pass(path, deep_read_flags, count, chunk, depth, cold=cache == "dropped")
-    finally:
-        path.unlink(missing_ok=True)
-    total = count * chunk / 1e9
-    return Raw(total / write_one, total / read_one, total / write_deep, total / read_deep)
-
-
-def _timed_pass(
-    path: Path,
-    flags: int,
-    count: int,
-    chunk: int,
-    threads: int,
-    *,
-    write: bool = False,
-    cold: bool = False,
-) -> float:
-    """Seconds to move ``count`` chunks through ``path``, its chunks cut into ``threads``
-    contiguous runs, each run by one thread with a page-aligned buffer of its own."""
-    if cold:
-        drop_caches()
-    threads = max(1, min(threads, count))
-    size, extra = divmod(count, threads)
-    bounds = [i * size + min(i, extra) for i in range(threads + 1)]
-    fd = os.open(path, flags, 0o644)
-
-    def run(first: int, last: int) -> None:
-        # Page-aligned, as the region's rows are: O_DIRECT needs it.
-        buffer = mmap.mmap(-1, chunk)
-        try:
-            if write:
-                buffer[:] = os.urandom(chunk)
-            for i in range(first, last):
-                moved = (
-                    os.pwritev(fd, [buffer], i * chunk)
-                    if write
-                    else os.preadv(fd, [buffer], i * chunk)
-                )
-                if moved != chunk:
-                    raise OSError(f"short transfer at chunk {i} of {path}")
-        finally:
-            buffer.close()
-
-    try:
-        started = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            runs = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(threads)]
-            for done in runs:
-                done.result()
-        if write:
-            os.fsync(fd)
-        return time.perf_counter() - started
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------ the worker side
@@ -586,13 +489,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         read_depth = getattr(getattr(fs, "settings", None), "read_depth", 1)
         write_depth = getattr(getattr(fs, "settings", None), "write_depth", 1)
         chunk = spec.chunk_bytes  # rounded up to whole pages
-        raw_before = raw_reference(
-            root / "raw-before",
-            count,
-            chunk,
-            direct_write=direct_write,
-            cache=cache_mode,
-            depth=read_depth,
+        raw_before = measure_disk(
+            root / "raw-before", count, chunk, depth=read_depth, direct=direct_write
         )
         copier = CopyThread(worker, Patterns(caches, args.seed))
         copier.start()
@@ -634,13 +532,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         job_times = manager.promotion_job_times()[manager.tier_labels[0]]
     finally:
         spec.shutdown()
-    raw_after = raw_reference(
-        root / "raw-after",
-        count,
-        chunk,
-        direct_write=direct_write,
-        cache=cache_mode,
-        depth=read_depth,
+    raw_after = measure_disk(
+        root / "raw-after", count, chunk, depth=read_depth, direct=direct_write
     )
     raw_read = statistics.mean([raw_before.read_gbps, raw_after.read_gbps])
     raw_write = statistics.mean([raw_before.write_gbps, raw_after.write_gbps])
@@ -669,18 +562,6 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "raw_read_gbps_after": raw_after.read_gbps,
         "raw_write_gbps_before": raw_before.write_gbps,
         "raw_write_gbps_after": raw_after.write_gbps,
-        "raw_read_one_thread_gbps": statistics.mean(
-            [raw_before.read_one_gbps, raw_after.read_one_gbps]
-        ),
-        "raw_read_deep_gbps": statistics.mean(
-            [raw_before.read_deep_gbps, raw_after.read_deep_gbps]
-        ),
-        "raw_write_one_thread_gbps": statistics.mean(
-            [raw_before.write_one_gbps, raw_after.write_one_gbps]
-        ),
-        "raw_write_deep_gbps": statistics.mean(
-            [raw_before.write_deep_gbps, raw_after.write_deep_gbps]
-        ),
         "page_cache": cache_mode,
         "raw_write_o_direct": direct_write,
         "loop_lag_p50_ms": percentile(lags, 0.5) * 1e3,
