@@ -420,21 +420,26 @@ async def test_a_prefix_lookup_never_evicts_the_prefix_it_resolves(engine_id):
         manager.complete_load(first, req)
 
 
+async def promote_with_tier_held(manager, tier, prompts, requests) -> None:
+    """Stored ``prompts`` out of the primary tier, each looked up by its request (all
+    pending) and the step ended, while ``tier`` holds every job at its gate."""
+    fill(manager, [key for prompt in prompts for key in prompt])
+    await settle(manager)
+    await manager.areset_cache()
+    tier.gate.clear()
+    for prompt, req in zip(prompts, requests, strict=True):
+        assert [manager.lookup(k, req) for k in prompt] == [PENDING] * len(prompt)
+    manager.on_schedule_end()
+    await asyncio.sleep(0.01)
+
+
 async def test_promotions_beyond_max_promotion_chunks_wait_their_turn_in_hit_order(engine_id):
     tier_config = scripted("paced", instant=True, max_promotion_chunks=3)
     async with opened(engine_id, [tier_config], chunks=12) as manager:
         tier = ScriptedTier.instances["paced"]
         prompts = [keys(f"paced-{i}", 3) for i in range(3)]
-        for prompt in prompts:
-            fill(manager, prompt)
-        await settle(manager)
-        await manager.areset_cache()
-        tier.gate.clear()
         requests = [ReqContext(f"r{i}") for i in range(3)]
-        for prompt, req in zip(prompts, requests, strict=True):
-            assert [manager.lookup(k, req) for k in prompt] == [PENDING] * 3
-        manager.on_schedule_end()
-        await asyncio.sleep(0.01)
+        await promote_with_tier_held(manager, tier, prompts, requests)
         # One job on the tier; the others hold their slots and wait in the manager.
         assert [job.req_id for job in tier.load_jobs] == ["r0"]
         assert manager.has_pending_work()
@@ -452,15 +457,8 @@ async def test_short_promotion_jobs_run_side_by_side_within_the_chunk_budget(eng
     async with opened(engine_id, [tier_config], chunks=12) as manager:
         tier = ScriptedTier.instances["short"]
         prompts = [keys(f"short-{i}", 2) for i in range(3)]
-        fill(manager, [key for prompt in prompts for key in prompt])
-        await settle(manager)
-        await manager.areset_cache()
-        tier.gate.clear()
         requests = [ReqContext(f"s{i}") for i in range(3)]
-        for prompt, req in zip(prompts, requests, strict=True):
-            assert [manager.lookup(k, req) for k in prompt] == [PENDING] * 2
-        manager.on_schedule_end()
-        await asyncio.sleep(0.01)
+        await promote_with_tier_held(manager, tier, prompts, requests)
         # Two jobs of two chunks fill the budget of four; the third waits.
         assert [job.req_id for job in tier.load_jobs] == ["s0", "s1"]
         tier.gate.set()
@@ -473,14 +471,8 @@ async def test_a_request_finished_while_its_promotion_waits_frees_its_slots(engi
     async with opened(engine_id, [tier_config], chunks=8) as manager:
         tier = ScriptedTier.instances["waiting"]
         first, second = keys("first", 2), keys("second", 2)
-        fill(manager, first + second)
-        await settle(manager)
-        await manager.areset_cache()
-        tier.gate.clear()
-        for prompt, req in ((first, ReqContext("a")), (second, ReqContext("b"))):
-            assert [manager.lookup(k, req) for k in prompt] == [PENDING] * 2
-        manager.on_schedule_end()
-        await asyncio.sleep(0.01)
+        requests = [ReqContext("a"), ReqContext("b")]
+        await promote_with_tier_held(manager, tier, [first, second], requests)
         manager.on_request_finished(ReqContext("b"))  # still waiting: never sent
         tier.gate.set()
         await settle(manager)
