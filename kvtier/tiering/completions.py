@@ -1,4 +1,9 @@
-"""The completion queue: outcomes in from any thread, and whoever waits woken up."""
+"""The completion queue: outcomes in from any thread, applied under the manager's lock.
+
+The manager drains the queue at its poll points. :class:`OutcomeServer` also applies
+outcomes on the tier loop soon after they are posted, so a tier waiting for pins, or a
+host waiting for a completion, needs no scheduler step to move on.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,17 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from kvtier.resources import resolve_threadsafe
+from kvtier.tiering.loop import TierLoop
 from kvtier.tiering.outcomes import Outcome
 
-__all__ = ["CompletionQueue"]
+__all__ = ["CompletionQueue", "OutcomeServer"]
+
+# How soon the tier loop tries again to apply outcomes when the host holds the lock:
+# the host's own calls drain them anyway; this bounds the wait of an idle host.
+_SERVE_RETRY_S = 0.001
 
 
 class CompletionQueue:
@@ -64,3 +75,58 @@ class CompletionQueue:
     def wait_blocking(self, seq: int, timeout: float | None = None) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self.seq != seq, timeout)
+
+    async def wait_for_any(self) -> None:
+        """Resolve once something completes: at once if an outcome is queued."""
+        seq = self.seq
+        if not self._items:
+            await self.wait(seq)
+
+    def wait_for_any_blocking(self, timeout: float | None = None) -> None:
+        seq = self.seq
+        if not self._items:
+            self.wait_blocking(seq, timeout)
+
+
+class _Lock(Protocol):
+    def acquire(self, blocking: bool = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+class OutcomeServer:
+    """Applies posted outcomes on the tier loop, under ``lock``, soon after each post.
+
+    ``drain`` applies what :attr:`queue` holds; it runs with ``lock`` held. One serve
+    is scheduled at a time; if the host holds the lock, the loop tries again a
+    millisecond later rather than waiting for it. Without a loop (a manager with no
+    secondary tiers) nothing is ever posted, and nothing is scheduled.
+    """
+
+    def __init__(self, lock: _Lock, loop: TierLoop | None, drain: Callable[[], None]) -> None:
+        self._lock = lock
+        self._loop = loop
+        self._drain = drain
+        self._scheduled = False
+        self.queue = CompletionQueue(self._schedule)
+
+    def _schedule(self) -> None:
+        if not self._scheduled and self._loop is not None:
+            self._scheduled = True
+            try:
+                self._loop.call(self._serve)
+            except RuntimeError:  # the loop is closed: closing drains what is left
+                self._scheduled = False
+
+    def _serve(self) -> None:
+        assert self._loop is not None
+        if not self._lock.acquire(blocking=False):
+            self._loop.loop.call_later(_SERVE_RETRY_S, self._serve)
+            return
+        try:
+            self._scheduled = False
+            if self.queue:
+                self._drain()
+        finally:
+            self._lock.release()
+        self.queue.notify()

@@ -24,9 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Container, Coroutine, Sequence
+from collections.abc import Collection, Container, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricsRecorder, Names
@@ -40,13 +39,14 @@ from kvtier.records import (
     ScheduleEndContext,
 )
 from kvtier.region import SharedOffloadRegion
-from kvtier.resources import AsyncResource, Once
+from kvtier.resources import AsyncResource
 from kvtier.tiering.backpressure import Backpressure, BackpressureSettings
-from kvtier.tiering.completions import CompletionQueue
+from kvtier.tiering.completions import OutcomeServer
 from kvtier.tiering.gate import LookupCounter
 from kvtier.tiering.jobs import JobTable
+from kvtier.tiering.lifecycle import Lifecycle
 from kvtier.tiering.lookups import PrefixLookup, TierState
-from kvtier.tiering.loop import LoopThread, TierLoop, run_inline
+from kvtier.tiering.loop import LoopThread, TierLoop
 from kvtier.tiering.outcomes import (
     JobOutcome,
     JobReleased,
@@ -65,12 +65,6 @@ from kvtier.tiers.base import SecondaryTier
 __all__ = ["TierOptions", "TieringOffloadingManager"]
 
 logger = logging.getLogger(__name__)
-
-# How soon the tier loop retries applying tier outcomes when the host holds the lock:
-# the host's own calls drain them anyway; this bounds the wait of an idle host.
-_SERVE_RETRY_S = 0.001
-
-_T = TypeVar("_T")
 
 _QUERIES = Names.CHUNK_QUERIES
 _HITS = Names.CHUNK_HITS
@@ -132,8 +126,7 @@ class TieringOffloadingManager(AsyncResource):
             LookupCounter(store_threshold, max_tracked_lookups) if store_threshold >= 2 else None
         )
         self._requests = RequestTable()
-        self._completions = CompletionQueue(self._schedule_serve)
-        self._serve_scheduled = False
+        self._completions = OutcomeServer(self.lock, self._loop, self._drain).queue
         self._jobs = JobTable(primary, region.chunk_bytes if region is not None else 0)
         self._tiers = [
             TierState(
@@ -148,11 +141,7 @@ class TieringOffloadingManager(AsyncResource):
             for tier in tiers:
                 if tier.ctx.primary is not None:
                     tier.ctx.primary.bind(self._pins)
-        self._started = not self._tiers
-        self._starting = Once(self._start_tiers)
-        self._closing = Once(self._close_once)
-        self._closed = False
-        self._released = False
+        self._life = Lifecycle(self._loop, self._start_tiers, self._close_tiers)
         #: Counts of the primary tier, and of the manager's unlabelled metrics.
         self._report = Reporting(self.metrics, primary, self._tiers)
         self._counts = self._report.counts
@@ -186,7 +175,7 @@ class TieringOffloadingManager(AsyncResource):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._life.closed
 
     # ---------------------------------------------------------------- start
 
@@ -196,20 +185,14 @@ class TieringOffloadingManager(AsyncResource):
         If a tier fails to start, the tiers already started are closed and the error
         propagates: the manager cannot be used, and :meth:`aclose` releases the rest.
         """
-        if not self._started:
-            await self._on_loop(self._starting)
+        await self._life.start()
 
     def start_blocking(self, timeout: float | None = None) -> None:
         """:meth:`start` for a synchronous host (not from the tier loop's thread)."""
-        self._block_on(self.start, timeout)
+        self._life.start_blocking(timeout)
 
     async def _start_tiers(self) -> None:
-        try:
-            await start_in_order([state.runner for state in self._tiers])
-        except BaseException:
-            self._closed = True
-            raise
-        self._started = True
+        await start_in_order([state.runner for state in self._tiers])
 
     # -------------------------------------------------------------- lookups
 
@@ -345,7 +328,7 @@ class TieringOffloadingManager(AsyncResource):
         """Finish a GPU -> primary store; on success cascade the keys to every tier."""
         with self.lock:
             done = self.primary.complete_store(keys, success)
-            if done and self._tiers and not self._closed:
+            if done and self._tiers and not self._life.closed:
                 self._cascade(done, req.req_id)
             if self._requests.ended(req.req_id):
                 self._finish_request(req.req_id)
@@ -403,7 +386,7 @@ class TieringOffloadingManager(AsyncResource):
             self._report.flush_if_due()
 
     def _launch_step(self) -> None:
-        if not self._tiers or self._closed:
+        if not self._tiers or self._life.closed:
             return
         launches: list[Launch] = []
         now = time.perf_counter()
@@ -434,33 +417,6 @@ class TieringOffloadingManager(AsyncResource):
 
     # ------------------------------------------------------------ completions
 
-    def _schedule_serve(self) -> None:
-        """A tier posted an outcome: apply it on the tier loop, not at the next poll point."""
-        if not self._serve_scheduled and self._loop is not None:
-            self._serve_scheduled = True
-            try:
-                self._loop.call(self._serve)
-            except RuntimeError:  # the loop is closed: closing drains what is left
-                self._serve_scheduled = False
-
-    def _serve(self) -> None:
-        """On the tier loop: apply queued outcomes now.
-
-        Tiers waiting for pins, and hosts waiting for completions, then need no scheduler
-        step. If the host holds the lock right now, try again in a millisecond.
-        """
-        assert self._loop is not None
-        if not self.lock.acquire(blocking=False):
-            self._loop.loop.call_later(_SERVE_RETRY_S, self._serve)
-            return
-        try:
-            self._serve_scheduled = False
-            if self._completions:
-                self._drain()
-        finally:
-            self.lock.release()
-        self._completions.notify()
-
     def _promotion_ended(self, req_id: str, promoted: list[OffloadKey]) -> None:
         # Keep what was promoted for the request that asked, until it loads or finishes.
         if promoted and self._requests.reserve(req_id, promoted):
@@ -472,7 +428,7 @@ class TieringOffloadingManager(AsyncResource):
         promotions_ended = False
         for outcome in self._completions.drain():
             promotions_ended |= self._apply(outcome)
-        if promotions_ended and not self._closed:
+        if promotions_ended and not self._life.closed:
             self._launch(self._promotions.start_waiting(self._tiers, time.perf_counter()))
 
     def _apply(self, outcome: Outcome) -> bool:
@@ -500,17 +456,11 @@ class TieringOffloadingManager(AsyncResource):
 
     async def wait_for_completions(self) -> None:
         """Resolve once a job, lookup or store finished (at once if one already has)."""
-        seq = self._completions.seq
-        if self._completions:
-            return
-        await self._completions.wait(seq)
+        await self._completions.wait_for_any()
 
     def wait_for_completions_blocking(self, timeout: float | None = None) -> None:
         """:meth:`wait_for_completions` for a synchronous host's thread."""
-        seq = self._completions.seq
-        if self._completions:
-            return
-        self._completions.wait_blocking(seq, timeout)
+        self._completions.wait_for_any_blocking(timeout)
 
     async def drain(self) -> None:
         """Send what the step queued, resolve once nothing is in flight, flush the metrics."""
@@ -545,7 +495,7 @@ class TieringOffloadingManager(AsyncResource):
         a reset, as vLLM does, says that way when its copies have stopped. Blocks the
         calling thread: an async host awaits :meth:`areset_cache` instead.
         """
-        self._block_on(lambda: self.areset_cache(hold_busy_slots=hold_busy_slots))
+        self._life.block_on(lambda: self.areset_cache(hold_busy_slots=hold_busy_slots))
 
     async def areset_cache(self, *, hold_busy_slots: bool = False) -> None:
         """:meth:`reset_cache` for an async host."""
@@ -580,30 +530,17 @@ class TieringOffloadingManager(AsyncResource):
 
         Blocks until in-flight jobs finish; an async host awaits :meth:`aclose`.
         """
-        if not self._released:
-            self._block_on(self._close)
-            self._stop_loop()
+        self._life.close_blocking()
 
     async def aclose(self) -> None:
         """Drain and close the tiers, release the region and the loop. Idempotent."""
-        if not self._released:
-            await self._on_loop(self._close)
-            self._stop_loop()
+        await self._life.aclose()
 
-    async def _close(self) -> None:
-        """On the tier loop: every caller awaits the same close."""
-        if self._loop is None:
-            # Nothing to wait for without tiers: this never suspends (see run_inline).
-            if not self._released:
-                await self._close_once()
-            return
-        await self._closing()
-
-    async def _close_once(self) -> None:
+    async def _close_tiers(self) -> None:
+        """On the tier loop, once: what was queued goes, what is in flight ends."""
         with self.lock:
             self._promotions.drop_all(self._tiers)
-            self._closed = True
-        await self._starting.wait()
+        await self._life.wait_started()
         for state in reversed(self._tiers):
             await state.runner.aclose()
         with self.lock:
@@ -613,28 +550,6 @@ class TieringOffloadingManager(AsyncResource):
         self.metrics.pull_from(None)
         if self._region is not None:
             self._region.close()
-
-    def _stop_loop(self) -> None:
-        self._released = True
-        loop = self._loop
-        if loop is not None and not loop.in_loop_thread():
-            loop.close()
-
-    # --------------------------------------------------------------- helpers
-
-    async def _on_loop(self, fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
-        """Await ``fn()`` on the tier loop, whichever loop the caller is on."""
-        if self._loop is None:
-            return await fn()
-        return await self._loop.run_async(fn)
-
-    def _block_on(
-        self, fn: Callable[[], Coroutine[Any, Any, _T]], timeout: float | None = None
-    ) -> _T:
-        """Run ``fn()`` on the tier loop and block this thread until it returns."""
-        if self._loop is None:
-            return run_inline(fn)
-        return self._loop.run(fn, timeout)
 
     # --------------------------------------------------------------- metrics
 

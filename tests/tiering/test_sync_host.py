@@ -59,7 +59,7 @@ def test_promotion_round_trip_from_a_sync_host(engine_id):
 def test_scheduler_calls_never_wait_for_a_stuck_tier(engine_id):
     spec, manager = build(engine_id, [scripted("sync-stuck")], chunks=4)
     tier = ScriptedTier.instances["sync-stuck"]
-    manager._loop.call(tier.gate.clear)
+    manager.loop.call(tier.gate.clear)
     try:
         started = time.monotonic()
         refused = 0
@@ -77,7 +77,7 @@ def test_scheduler_calls_never_wait_for_a_stuck_tier(engine_id):
         assert refused == 16
         assert manager.has_pending_work()
     finally:
-        manager._loop.call(tier.gate.set)
+        manager.loop.call(tier.gate.set)
         spec.shutdown()
 
 
@@ -108,14 +108,14 @@ def test_reset_cache_waits_for_jobs_in_flight(engine_id):
     spec, manager = build(engine_id, [scripted("sync-reset")], chunks=4)
     tier = ScriptedTier.instances["sync-reset"]
     try:
-        manager._loop.call(tier.gate.clear)
+        manager.loop.call(tier.gate.clear)
         ks = keys("reset", 2)
         store(manager, ks)
         resetter = threading.Thread(target=manager.reset_cache)
         resetter.start()
         resetter.join(0.2)
         assert resetter.is_alive(), "reset_cache returned while a cascade still read its slots"
-        manager._loop.call(tier.gate.set)
+        manager.loop.call(tier.gate.set)
         resetter.join(30)
         assert not resetter.is_alive()
         assert manager.primary.num_stored == 0
@@ -142,7 +142,7 @@ def test_pins_are_served_while_the_host_is_idle(engine_id):
         [key] = keys("idle-pin", 1)
         store(manager, [key])
         step_until(manager, lambda: not manager.has_pending_work())
-        future = asyncio.run_coroutine_threadsafe(tier.ctx.primary.pin([key]), manager._loop.loop)
+        future = asyncio.run_coroutine_threadsafe(tier.ctx.primary.pin([key]), manager.loop.loop)
         rows = future.result(timeout=10)  # the host makes no call meanwhile
         assert list(rows) == [key]
         tier.ctx.primary.unpin([key])

@@ -21,7 +21,7 @@ import enum
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,9 +45,10 @@ from kvtier._logs import describe_error
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.resources import AsyncResource
 from kvtier.tiers._store import MISSING
+from kvtier.tiers.s3.body import RequestBody, fill, split_parts
 from kvtier.tiers.s3.settings import S3Settings, display_url
 
-__all__ = ["Failed", "RequestBody", "S3Client", "S3TierError", "Upload", "each"]
+__all__ = ["Failed", "S3Client", "S3TierError", "Upload", "each"]
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +323,7 @@ class S3Client(AsyncResource):
             size = response.get("ContentLength")
             if size is not None and size != self.object_bytes:
                 return "truncated object" if size < self.object_bytes else "oversize object"
-            if await _fill(body, header) < len(header) or await _fill(body, row) < len(row):
+            if await fill(body, header) < len(header) or await fill(body, row) < len(row):
                 return "truncated object"
             if await body.read(1):
                 return "oversize object"
@@ -407,7 +408,7 @@ class S3Client(AsyncResource):
             deadline, lambda: self._client.create_multipart_upload(Bucket=bucket, Key=name)
         )
         upload_id = created["UploadId"]
-        parts = _split_parts(header, row, self.settings.multipart_part_bytes)
+        parts = split_parts(header, row, self.settings.multipart_part_bytes)
 
         async def upload_part(number: int) -> str:
             body = parts[number]
@@ -493,85 +494,6 @@ class S3Client(AsyncResource):
                 "%s: retrying in %.2f s after %s", self._label, delay, describe_error(error)
             )
             await asyncio.sleep(delay)
-
-
-class RequestBody:
-    """A request body sent from memoryviews as they are, never joined into one copy.
-
-    aiohttp streams it through ``__aiter__``. botocore accepts it as a file-like body
-    because it has ``read``, which it also uses (with ``seek``/``tell``) to hash the
-    payload when ``sign_payload`` is on.
-    """
-
-    __slots__ = ("_parts", "_position", "_size")
-
-    def __init__(self, parts: Sequence[memoryview]) -> None:
-        self._parts = tuple(parts)
-        self._size = sum(len(part) for part in self._parts)
-        self._position = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __aiter__(self) -> _PartIterator:
-        return _PartIterator(self._parts)
-
-    def read(self, size: int = -1) -> bytes:
-        start = self._position
-        end = self._size if size is None or size < 0 else min(self._size, start + size)
-        out = bytearray()
-        offset = 0
-        for part in self._parts:
-            part_end = offset + len(part)
-            if part_end > start and offset < end:
-                out += part[max(start, offset) - offset : min(end, part_end) - offset]
-            offset = part_end
-        self._position = end if end > start else start
-        return bytes(out)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._position, 2: self._size}[whence]
-        self._position = max(0, min(self._size, base + offset))
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-
-class _PartIterator:
-    __slots__ = ("_parts",)
-
-    def __init__(self, parts: tuple[memoryview, ...]) -> None:
-        self._parts = list(reversed(parts))
-
-    def __aiter__(self) -> _PartIterator:
-        return self
-
-    async def __anext__(self) -> memoryview:
-        if not self._parts:
-            raise StopAsyncIteration
-        return self._parts.pop()
-
-
-def _split_parts(header: memoryview, row: memoryview, part_bytes: int) -> list[list[memoryview]]:
-    """The multipart parts of header + row: views of ``part_bytes`` (the last shorter)."""
-    first = part_bytes - len(header)
-    rest = [[row[start : start + part_bytes]] for start in range(first, len(row), part_bytes)]
-    return [[header, row[:first]], *rest]
-
-
-async def _fill(body: Any, target: memoryview) -> int:
-    """Read from a response body into ``target`` until it is full or the body ends."""
-    filled = 0
-    while filled < len(target):
-        # read(n) hands over what the connection has buffered, up to n bytes: a
-        # transient piece, copied into place at once.
-        piece = await body.read(len(target) - filled)
-        if not piece:
-            break
-        target[filled : filled + len(piece)] = piece
-        filled += len(piece)
-    return filled
 
 
 def _status_of(exc: ClientError) -> int | None:

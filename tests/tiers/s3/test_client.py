@@ -1,4 +1,4 @@
-"""The s3 tier's client on its own: bodies, retries, deadlines and the errors it tells apart.
+"""The s3 tier's client on its own: uploads, retries, deadlines and the errors it tells apart.
 
 Every request goes to a real S3-speaking server on loopback (moto, rclone), through
 the chaos proxy where the server must misbehave.
@@ -20,7 +20,7 @@ from s3_servers import ACCESS_KEY, SECRET_KEY, ChaosProxy, free_port, put_object
 from kvtier import ConfigError
 from kvtier.tiers._store import MISSING
 from kvtier.tiers.s3 import S3Client, S3Settings, S3TierError
-from kvtier.tiers.s3.client import Failed, RequestBody, Upload, each
+from kvtier.tiers.s3.client import Failed, Upload, each
 
 pytestmark = pytest.mark.anyio
 
@@ -90,31 +90,6 @@ def chunk(row: int = ROW, seed: int = 1) -> tuple[memoryview, memoryview]:
 
 def empty(row: int = ROW) -> tuple[memoryview, memoryview]:
     return memoryview(bytearray(HEADER)), memoryview(bytearray(row))
-
-
-# ------------------------------------------------------------------ bodies
-
-
-def test_a_body_reads_as_one_buffer_without_joining_its_parts():
-    header, row = memoryview(bytearray(b"H" * 10)), memoryview(bytearray(range(256)) * 4)
-    whole = bytes(header) + bytes(row)
-    body = RequestBody((header, row))
-    assert len(body) == len(whole)
-    assert body.read(7) == whole[:7]
-    assert body.read(100) == whole[7:107]
-    assert body.tell() == 107
-    assert body.read() == whole[107:]
-    assert body.read(5) == b""
-    body.seek(3)
-    assert body.read(9) == whole[3:12]
-    body.seek(-4, 2)
-    assert body.read() == whole[-4:]
-
-
-async def test_a_body_streams_its_own_memory():
-    header, row = memoryview(bytearray(8)), memoryview(bytearray(64))
-    pieces = [piece async for piece in RequestBody((header, row))]
-    assert [piece.obj for piece in pieces] == [header.obj, row.obj]  # the buffers, no copy
 
 
 async def test_each_runs_every_item_and_keeps_each_failure_to_itself():
