@@ -320,6 +320,8 @@ async def test_a_prompt_half_evicted_to_disk_reads_back_only_its_missing_chunks(
         chunk = kv.manager.region.chunk_bytes
         read = kv.manager.tier_stats()["1:fs"]["bytes_read"]
         assert round(read / chunk) == 16  # only the 16 chunks that had left the primary
+        scraped = kv.registry.get_sample_value("kvtier_tiering_read_bytes_total", {"tier": "1:fs"})
+        assert scraped == read
 
 
 async def test_a_lookup_answered_from_the_primary_tier_is_counted_in_the_metrics(engine_id):

@@ -29,6 +29,21 @@ def test_definitions_bind_to_the_given_registry():
     assert REGISTRY.get_sample_value("kvtier_test_things_total", {"tier": "1:fs"}) is None
 
 
+def test_a_counters_total_is_what_a_scrape_shows_without_collecting():
+    registry = CollectorRegistry()
+    recorder = MetricsRecorder({"kvtier_test_things": CounterDef("things", ("tier",))}, registry)
+    pulls = []
+    recorder.pull_from(lambda: pulls.append(1))
+    recorder.inc("kvtier_test_things", 3, ("1:fs",))
+    recorder.inc("kvtier_test_things", 2.5, ("1:fs",))
+    recorder.inc("kvtier_test_things", 7, ("2:s3",))
+    assert recorder.total("kvtier_test_things", ("1:fs",)) == 5.5
+    assert recorder.total("kvtier_test_things", ("3:p2p",)) == 0.0
+    assert pulls == []  # read from the recorder, not by a collection of the registry
+    assert registry.get_sample_value("kvtier_test_things_total", {"tier": "1:fs"}) == 5.5
+    assert registry.get_sample_value("kvtier_test_things_total", {"tier": "2:s3"}) == 7
+
+
 def test_recording_an_undefined_name_does_nothing():
     recorder = MetricsRecorder({})
     recorder.inc("kvtier_nothing")

@@ -55,7 +55,8 @@ class Reporting:
             self.flush()
 
     def totals(self) -> dict[str, dict[str, float]]:
-        """Cumulative counts per tier label, the primary tier's first."""
+        """Cumulative counts per tier label, the primary tier's first, flushed first."""
+        self.flush()
         return tier_totals(self.metrics, [PRIMARY_LABEL, *(state.label for state in self._tiers)])
 
     def measured(self, name: str) -> dict[str, list[float]]:

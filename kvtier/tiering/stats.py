@@ -116,7 +116,7 @@ def tier_totals(metrics: MetricsRecorder, labels: list[str]) -> dict[str, dict[s
     """Cumulative counts per tier label, as flushed so far."""
     return {
         label: {
-            name: metrics.sample(f"{metric}_total", {"tier": label}) or 0.0
+            name: metrics.total(metric, (label,))
             for name, metric in TOTALS
         }
         for label in labels
