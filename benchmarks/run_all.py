@@ -68,7 +68,7 @@ def fs_section(root: str | None, quick: bool) -> tuple[str, str]:
             f2(r["read_ratio"]),
             f"{r['promotion_p50_ms']:.1f} / {r['promotion_p99_ms']:.1f} ms",
             f"{r['loop_lag_p50_ms']:.2f} / {r['loop_lag_p99_ms']:.2f} ms",
-            f"{r['lookups_per_s'] / 1e6:.2f} M",
+            f"{r['lookups_per_s'] / 1e6:.2f} M ({r['floor_lookups_per_s'] / 1e6:.2f} M)",
             f"{r['store_cycles_per_s'] / 1e3:.0f} k",
         ]
     ]
@@ -80,7 +80,7 @@ def fs_section(root: str | None, quick: bool) -> tuple[str, str]:
         "read ratio",
         "promotion p50 / p99",
         "loop lag p50 / p99",
-        "lookups/s",
+        "lookups/s (bare locked lookup)",
         "store cycles/s",
     ]
     return "fs-tier", f"Command: `{display(command)}`\n\n" + table(header, rows)
@@ -103,7 +103,7 @@ def serving_section(root: str | None, quick: bool) -> tuple[str, str]:
             f"{r['promotion_p50_ms']:.1f} / {r['promotion_p99_ms']:.1f} "
             f"({r['promotion_p99_budget_ms']:.1f})",
             f"{r['loop_lag_p99_ms']:.2f}",
-            f"{r['lookup_hit_ops_s'] / 1e6:.2f} M",
+            f"{r['lookup_hit_ops_s'] / 1e6:.2f} M ({r['lookup_floor_ops_s'] / 1e6:.2f} M)",
             f"{r['store_cycle_ops_s'] / 1e3:.0f} k",
             f"{r['store_cpu_s']:.1f} / {r['load_cpu_s']:.1f}",
             str(r["mismatches"]),
@@ -117,7 +117,7 @@ def serving_section(root: str | None, quick: bool) -> tuple[str, str]:
         "store ratio",
         "promotion job ms p50 / p99 (p99 budget)",
         "loop lag p99 ms",
-        "lookups/s",
+        "lookups/s (bare locked lookup)",
         "store cycles/s",
         "CPU s store / load",
         "mismatches",

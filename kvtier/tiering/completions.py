@@ -35,23 +35,26 @@ class CompletionQueue:
     """
 
     def __init__(self, on_post: Callable[[], None]) -> None:
-        self._items: deque[Outcome] = deque()
+        #: The outcomes not applied yet. Read, never changed, outside this class: the
+        #: manager's hot paths test it directly (a deque's truth is a C call, where
+        #: ``bool(queue)`` would be a Python one on every lookup).
+        self.pending: deque[Outcome] = deque()
         self._on_post = on_post
         self.seq = 0
         self._cond = threading.Condition()
         self._futures: list[asyncio.Future[None]] = []
 
     def __bool__(self) -> bool:
-        return bool(self._items)
+        return bool(self.pending)
 
     def post(self, outcome: Outcome) -> None:
-        self._items.append(outcome)
+        self.pending.append(outcome)
         self.notify()
         self._on_post()
 
     def drain(self) -> Iterator[Outcome]:
         """Take the queued outcomes, oldest first, including those posted meanwhile."""
-        items = self._items
+        items = self.pending
         while items:
             yield items.popleft()
 
@@ -79,12 +82,12 @@ class CompletionQueue:
     async def wait_for_any(self) -> None:
         """Resolve once something completes: at once if an outcome is queued."""
         seq = self.seq
-        if not self._items:
+        if not self.pending:
             await self.wait(seq)
 
     def wait_for_any_blocking(self, timeout: float | None = None) -> None:
         seq = self.seq
-        if not self._items:
+        if not self.pending:
             self.wait_blocking(seq, timeout)
 
 

@@ -127,6 +127,7 @@ class TieringOffloadingManager(AsyncResource):
         )
         self._requests = RequestTable()
         self._completions = OutcomeServer(self.lock, self._loop, self._drain).queue
+        self._pending = self._completions.pending
         self._jobs = JobTable(primary, region.chunk_bytes if region is not None else 0)
         self._tiers = [
             TierState(
@@ -199,7 +200,7 @@ class TieringOffloadingManager(AsyncResource):
     def lookup(self, key: OffloadKey, req: ReqContext) -> LookupResult:
         """Where ``key`` stands: HIT, HIT_PENDING, MISS or RETRY."""
         with self.lock:
-            if self._completions:
+            if self._pending:
                 self._drain()
             return self._lookup(key, req.req_id, None)
 
@@ -218,7 +219,7 @@ class TieringOffloadingManager(AsyncResource):
         started here never evict a key of ``keys``.
         """
         with self.lock:
-            if self._completions:
+            if self._pending:
                 self._drain()
             req_id = req.req_id
             prefix = set(keys) if self._tiers else None
@@ -240,7 +241,7 @@ class TieringOffloadingManager(AsyncResource):
     def readable_prefix(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` are readable in the primary tier right now."""
         with self.lock:
-            if self._completions:
+            if self._pending:
                 self._drain()
             return self.primary.readable_prefix(keys)
 
@@ -273,7 +274,7 @@ class TieringOffloadingManager(AsyncResource):
     def prepare_load(self, keys: Sequence[OffloadKey], req: ReqContext) -> LoadStoreSpec:
         """Pin ``keys`` (all HIT) for a primary -> GPU load; the spec gives their slots."""
         with self.lock:
-            if self._completions:
+            if self._pending:
                 self._drain()
             return LoadStoreSpec(chunk_ids=self._pin(keys, req.req_id))
 
@@ -306,7 +307,7 @@ class TieringOffloadingManager(AsyncResource):
     ) -> PrepareStoreOutput | None:
         """Allocate primary slots for the keys not stored yet; None if there is no room."""
         with self.lock:
-            if self._completions:
+            if self._pending:
                 self._drain()
             gate = self._gate
             if gate is not None:
@@ -380,7 +381,7 @@ class TieringOffloadingManager(AsyncResource):
         """End of a step: drain, send the step's lookups and promotions; flush metrics
         if the last flush is a while ago (a scrape of the registry flushes first)."""
         with self.lock:
-            if self._completions:
+            if self._pending:
                 self._drain()
             self._launch_step()
             self._report.flush_if_due()
@@ -478,7 +479,7 @@ class TieringOffloadingManager(AsyncResource):
     def _step_and_check(self, include_pins: bool) -> bool:
         """Apply outcomes and send queued work; whether anything is still in flight."""
         with self.lock:
-            if self._completions:
+            if self._pending:
                 self._drain()
             self._launch_step()
             held = include_pins and self._pins is not None and self._pins.held
@@ -544,7 +545,7 @@ class TieringOffloadingManager(AsyncResource):
         for state in reversed(self._tiers):
             await state.runner.aclose()
         with self.lock:
-            if self._completions:
+            if self._pending:
                 self._drain()
             self._report.flush()
         self.metrics.pull_from(None)
