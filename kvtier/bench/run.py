@@ -73,7 +73,10 @@ async def run_bench(
                 await _until_ready(local, kv.manager.tiers)
                 engine = Engine(kv, caches, gpu_blocks, settings.lookup_timeout_s)
                 say(f"replaying {workload.requests:,} requests")
-                run = await replay(kv, engine, workload, settings, progress)
+                try:
+                    run = await replay(kv, engine, workload, settings, progress)
+                finally:
+                    engine.close()
                 labels = [PRIMARY, *kv.manager.tier_labels]
                 counts = kv.manager.tier_stats()
                 promotions = kv.manager.promotion_latencies()
