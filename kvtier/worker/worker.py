@@ -274,8 +274,11 @@ class OffloadingWorker(AsyncResource):
     def _check_ids(
         self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds, skip_blocks: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        gpu_ids = _as_ids("gpu_block_ids", gpu_block_ids)
-        slots = _as_ids("chunk_ids", chunk_ids)
+        # The checks read the ids as Python ints: they run on the event loop, and each
+        # torch operation there would let the interpreter lock go to a busy copy or I/O
+        # thread, costing the loop up to a switch interval (5 ms) to get it back.
+        gpu_ids, gpu_values = _as_ids("gpu_block_ids", gpu_block_ids)
+        slots, slot_values = _as_ids("chunk_ids", chunk_ids)
         layout = self.layout
         bpc = layout.blocks_per_chunk
         if not 0 <= skip_blocks < bpc:
@@ -293,12 +296,14 @@ class OffloadingWorker(AsyncResource):
                 f"{-(-(skip_blocks + gpu_ids.numel()) // bpc)} chunk(s) of {bpc} block(s), "
                 f"but {slots.numel()} chunk_ids were given"
             )
-        _check_range("chunk_ids", slots, layout.num_chunks)
-        _check_range("gpu_block_ids", gpu_ids, layout.num_gpu_blocks)
+        _check_range("chunk_ids", slot_values, layout.num_chunks)
+        _check_range("gpu_block_ids", gpu_values, layout.num_gpu_blocks)
         # A store writing one slot twice, or a load writing one GPU block twice, would
         # leave bytes that depend on copy order.
-        written, name = (slots, "chunk_ids") if direction == STORE else (gpu_ids, "gpu_block_ids")
-        if torch.unique(written).numel() != written.numel():
+        written, name = (
+            (slot_values, "chunk_ids") if direction == STORE else (gpu_values, "gpu_block_ids")
+        )
+        if len(set(written)) != len(written):
             raise ValueError(f"{name} of a {direction} must not repeat an id")
         return gpu_ids, slots
 
@@ -336,19 +341,21 @@ class OffloadingWorker(AsyncResource):
         return whole_ids, slots[first_whole:last_whole]
 
 
-def _as_ids(name: str, ids: BlockIds) -> torch.Tensor:
+def _as_ids(name: str, ids: BlockIds) -> tuple[torch.Tensor, list[int]]:
+    """``ids`` as the int64 tensor the copy engines index with, and as Python ints."""
     try:
         tensor = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{name} must be a sequence of integers: {exc}") from exc
     if tensor.dim() != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {tuple(tensor.shape)}")
-    return tensor
+    values: list[int] = tensor.tolist()
+    return tensor, values
 
 
-def _check_range(name: str, ids: torch.Tensor, limit: int) -> None:
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
-        raise ValueError(f"{name} must lie in [0, {limit}), got {ids.min()}..{ids.max()}")
+def _check_range(name: str, ids: list[int], limit: int) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= limit):
+        raise ValueError(f"{name} must lie in [0, {limit}), got {min(ids)}..{max(ids)}")
 
 
 def _default_engine(region: SharedOffloadRegion, layout: ColumnLayout) -> CopyEngine:
