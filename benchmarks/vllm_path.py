@@ -1,0 +1,748 @@
+"""The serving path through vLLM: its real scheduler and connector driving kvtier's spec.
+
+``benchmarks/serving_path.py``'s workload, run through vLLM 0.33's ``Scheduler`` with the
+``OffloadingConnector`` in both roles and ``KVTierOffloadingSpec`` (loaded through
+``spec_module_path``) with one fs tier, so that set beside ``serving_path.py`` (kvtier
+alone) the difference is what vLLM's connector and kvtier's adapter cost. The model
+runner is this script: it steps the scheduler, runs the worker-role connector over CPU
+KV tensors, and its "forward pass" fills each computed block with a pattern derived
+from the block's hash (two KV tensors of half a chunk each, as in ``serving_path.py``).
+
+1. Raw reference: ``kvtier.bench.physical.measure_disk``, as ``serving_path.py`` takes it.
+2. Stores: ``--gib`` of distinct prompts of ``--job-chunks`` blocks (one block is one
+   chunk) plus a short tail, one new request per step with ``max_tokens=1``; vLLM's
+   connector stores their blocks. A prompt is sent once kvtier's primary tier has room
+   for its chunks (``serving_path.py`` waits at ``prepare_store`` the same way). The
+   clock runs until the scheduler has nothing left (every cascade to the fs tier
+   finished) and ``os.sync()`` returned.
+3. Promotions: vLLM's GPU prefix cache and kvtier's primary tier emptied
+   (``reset_prefix_cache(reset_connector=True)``), the KV tensors zeroed, the page cache
+   dropped; the same prompts sent again in a seeded random order, ``--in-flight`` at once
+   (vLLM's ``max_num_seqs`` too). vLLM looks up every key of every waiting request each
+   step; when a request is first scheduled every block it found computed is compared
+   with the pattern of its hash. A request's wait runs from the first step whose lookups
+   deferred it to the step that started its load.
+4. The raw reference again; the limit is the mean of the two.
+
+Every step is timed (``scheduler.schedule()`` plus ``update_from_output``), and inside it
+the time spent in vLLM's connector, in kvtier's adapter (the spec's manager) and in
+kvtier's manager, by wrapping their methods here.
+
+The last line is one JSON object with ``serving_path.py``'s figures by the same names
+(``promotion_gbps``, ``promotion_ratio``, ``promotion_p50_ms`` / ``_p99_ms`` (job times),
+``request_wait_p50_ms`` / ``_p99_ms``, ``loop_lag_p99_ms``, ``mismatches``, ...) and the
+step figures (``step_p50_ms`` / ``step_p99_ms``, ``connector_ms_per_step``, ...).
+
+    .nox/vllm/bin/python benchmarks/vllm_path.py --root /path/on/the/disk/to/measure
+    .nox/vllm/bin/python benchmarks/vllm_path.py --quick     # a few seconds, small sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The tiny model config only satisfies ModelConfig; nothing is fetched from a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch
+from common import (
+    GIB,
+    MIB,
+    FsTierShape,
+    LagProbe,
+    Patterns,
+    check_workload_args,
+    drop_caches,
+    make_reads_cold,
+    on_loop,
+    path_figures,
+    percentile,
+    print_json,
+    print_path_summary,
+    raw_disk,
+    tier_options,
+    workload_parser,
+)
+
+from kvtier import ConfigError
+
+# Importing vLLM compiles a few kernels with torch, which warns about its own
+# deprecations; they say nothing about this benchmark.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+#: The offline Llama config.json the vLLM tests use: it satisfies ModelConfig, and the
+#: KV cache below is sized by hand, not from it.
+MODEL_DIR = Path(__file__).resolve().parents[1] / "tests" / "integrations" / "vllm" / "model"
+MAX_MODEL_LEN = 2048  # the tiny config's max_position_embeddings
+TOKENS_PER_BLOCK = 16  # vLLM's default block size
+HEAD_SIZE = 128
+# Two KV tensors of half a chunk each per block, as serving_path.py's worker copies: a
+# 2 MiB block of 16 tokens is a Llama-3-8B's (32 layers x 8 KV heads x 128), folded
+# into two layers of 128 heads.
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+# Tokens after the stored blocks: vLLM computes at least one token of every prompt, and
+# a partial block is never stored.
+TAIL_TOKENS = 2
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = workload_parser(__doc__.split("\n\n")[0])
+    args = parser.parse_args(argv)
+    check_workload_args(parser, args)
+    chunk = int(args.chunk_mib * MIB)
+    per_head = len(LAYERS) * 2 * TOKENS_PER_BLOCK * HEAD_SIZE * 2  # K and V, fp16
+    if chunk % per_head:
+        parser.error(f"--chunk-mib must be a multiple of {per_head} bytes here")
+    args.kv_heads = chunk // per_head
+    if args.job_chunks * TOKENS_PER_BLOCK + TAIL_TOKENS + 1 > MAX_MODEL_LEN:
+        parser.error(
+            f"--job-chunks {args.job_chunks} makes prompts longer than the model's "
+            f"{MAX_MODEL_LEN} tokens"
+        )
+    return args
+
+
+# ------------------------------------------------------------------- timing calls
+
+
+class CallClock:
+    """Seconds spent inside some objects' methods since the last :meth:`take`.
+
+    A call made from inside another timed call of the same clock counts once.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._depth = 0
+
+    def wrap(self, obj: Any, names: Sequence[str]) -> None:
+        for name in names:
+            method = getattr(obj, name, None)
+            if method is not None:
+                setattr(obj, name, self._timed(method))
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return method(*args, **kwargs)
+            self._depth = 1
+            started = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += clock() - started
+                self.calls += 1
+                self._depth = 0
+
+        return timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def wrapper_cost_s(calls: int = 200_000) -> float:
+    """What one timed call adds, measured on a method that does nothing."""
+
+    class Idle:
+        def call(self) -> None:
+            pass
+
+    idle = Idle()
+    plain = idle.call
+    started = time.perf_counter()
+    for _ in range(calls):
+        plain()
+    bare = time.perf_counter() - started
+    CallClock().wrap(idle, ["call"])
+    timed = idle.call
+    started = time.perf_counter()
+    for _ in range(calls):
+        timed()
+    return max(0.0, time.perf_counter() - started - bare) / calls
+
+
+#: The scheduler-role connector's methods vLLM's scheduler calls.
+CONNECTOR_METHODS = (
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "get_external_cache_hit_sources",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "has_pending_push_work",
+    "take_events",
+    "get_kv_connector_stats",
+)
+#: The manager interface vLLM's connector calls: on the adapter, and the same names on
+#: kvtier's manager behind it.
+MANAGER_METHODS = (
+    "lookup",
+    "get_load_source",
+    "prepare_load",
+    "touch",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "on_new_request",
+    "on_request_finished",
+    "on_schedule_end",
+    "has_pending_work",
+    "take_events",
+    "get_stats",
+    "config_info",
+    "reset_cache",
+    "on_reset_flushed",
+)
+
+
+@dataclass
+class StepTimes:
+    """Per step of one phase: vLLM's scheduler, and the shares inside it."""
+
+    step_s: list[float] = field(default_factory=list)
+    connector_s: list[float] = field(default_factory=list)
+    adapter_s: list[float] = field(default_factory=list)
+    kvtier_s: list[float] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------- the engine
+
+
+class Engine:
+    """vLLM's scheduler plus a worker-role connector over CPU KV tensors, stepped by hand."""
+
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        tier = {"type": "fs", "root_dir": str(root / "tier"), **tier_options(args.tier_option)}
+        prompt_tokens = args.job_chunks * TOKENS_PER_BLOCK + TAIL_TOKENS
+        # Every request in flight holds its blocks and one for its tail; two more
+        # requests' worth keeps stores from recycling blocks still being copied.
+        self.num_blocks = (args.in_flight + 2) * (args.job_chunks + 1) + 1
+        self.config = VllmConfig(
+            model_config=ModelConfig(
+                model=str(MODEL_DIR),
+                skip_tokenizer_init=True,
+                dtype="float16",
+                max_model_len=MAX_MODEL_LEN,
+            ),
+            cache_config=CacheConfig(block_size=TOKENS_PER_BLOCK, enable_prefix_caching=True),
+            device_config=DeviceConfig(device="cpu"),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=args.in_flight,
+                max_num_batched_tokens=max(MAX_MODEL_LEN, args.in_flight * prompt_tokens),
+                max_model_len=MAX_MODEL_LEN,
+                is_encoder_decoder=False,
+            ),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=False, publisher="null"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                engine_id=f"bench-vllm-{uuid.uuid4().hex[:8]}",
+                kv_connector_extra_config={
+                    "spec_name": "KVTierOffloadingSpec",
+                    "spec_module_path": "kvtier.integrations.vllm",
+                    "cpu_bytes_to_use": int(args.primary_gib * GIB),
+                    "secondary_tiers": [tier],
+                },
+            ),
+        )
+        self.config.cache_config.num_gpu_blocks = self.num_blocks
+        attention = FullAttentionSpec(
+            block_size=TOKENS_PER_BLOCK,
+            num_kv_heads=args.kv_heads,
+            head_size=HEAD_SIZE,
+            dtype=torch.float16,
+        )
+        page = attention.page_size_bytes
+        kv_cache_config = KVCacheConfig(
+            num_blocks=self.num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=page * self.num_blocks * len(LAYERS),
+                    layers=list(LAYERS),
+                    layer_stride=page * self.num_blocks,
+                    block_stride=page,
+                )
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), attention)],
+        )
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(TOKENS_PER_BLOCK, sha256)
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=TOKENS_PER_BLOCK,
+            log_stats=True,
+        )
+        try:
+            self.worker = OffloadingConnector(self.config, KVConnectorRole.WORKER, kv_cache_config)
+            self.caches = {
+                name: torch.zeros(
+                    (self.num_blocks, 2, TOKENS_PER_BLOCK, args.kv_heads, HEAD_SIZE),
+                    dtype=torch.float16,
+                )
+                for name in LAYERS
+            }
+            self.worker.register_kv_caches(self.caches)
+        except BaseException:
+            self.scheduler.shutdown()
+            raise
+        self.patterns = Patterns(
+            [cache.view(self.num_blocks, -1).view(torch.int64) for cache in self.caches.values()],
+            args.seed,
+        )
+        connector = self.scheduler.connector
+        assert isinstance(connector, OffloadingConnector)
+        assert connector.connector_scheduler is not None
+        self.adapter: Any = connector.connector_scheduler.manager
+        self.kvtier = self.adapter.kvtier
+        self.connector_clock, self.adapter_clock, self.kvtier_clock = (
+            CallClock(),
+            CallClock(),
+            CallClock(),
+        )
+        self.connector_clock.wrap(connector, CONNECTOR_METHODS)
+        self.adapter_clock.wrap(self.adapter, MANAGER_METHODS)
+        self.kvtier_clock.wrap(self.kvtier, MANAGER_METHODS)
+        self.times: dict[str, StepTimes] = {}
+        self.phase = "store"
+        self.blocks: dict[str, list[int]] = {}
+        #: Blocks each request found computed when first scheduled, all verified.
+        self.loaded: dict[str, int] = {}
+        self.mismatches = 0
+        self.steps = 0
+
+    def add(self, req_id: str, tokens: list[int]) -> None:
+        self.scheduler.add_request(
+            Request(
+                request_id=req_id,
+                prompt_token_ids=tokens,
+                sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
+                pooling_params=None,
+                block_hasher=self.hasher,
+            )
+        )
+
+    def step(self) -> tuple[SchedulerOutput, list[str], bool]:
+        """One engine step: the output, the requests it finished, whether anything moved."""
+        for clock in (self.connector_clock, self.adapter_clock, self.kvtier_clock):
+            clock.take()  # calls between steps (add_request, has_requests) are not a step's
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        scheduled = time.perf_counter() - started
+        runner_output = self.run_model(out)
+        started = time.perf_counter()
+        engine_outputs = self.scheduler.update_from_output(out, runner_output)
+        times = self.times.setdefault(self.phase, StepTimes())
+        times.step_s.append(scheduled + time.perf_counter() - started)
+        times.connector_s.append(self.connector_clock.take())
+        times.adapter_s.append(self.adapter_clock.take())
+        times.kvtier_s.append(self.kvtier_clock.take())
+        self.steps += 1
+        finished = [
+            output.request_id
+            for outputs in engine_outputs.values()
+            for output in outputs.outputs
+            if output.finished
+        ]
+        meta: Any = out.kv_connector_metadata
+        kv_output = runner_output.kv_connector_output
+        moved = bool(
+            out.total_num_scheduled_tokens
+            or finished
+            or (meta is not None and (meta.load_jobs or meta.store_jobs))
+            or (
+                kv_output is not None and (kv_output.finished_recving or kv_output.finished_sending)
+            )
+        )
+        return out, finished, moved
+
+    def run_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """The model runner's half of a step: connector hooks around a cheap forward pass."""
+        worker = self.worker
+        meta = out.kv_connector_metadata
+        assert meta is not None
+        worker.bind_connector_metadata(meta)
+        worker.handle_preemptions(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        if out.preempted_req_ids or out.scheduled_cached_reqs.resumed_req_ids:
+            raise RuntimeError(
+                "a request was preempted: the benchmark sizes vLLM's blocks so none is"
+            )
+        requests = self.scheduler.requests
+        # Where each request's tokens of this step start: schedule() has already
+        # advanced the requests' own counts past them.
+        starts: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.verify(requests[new.req_id], new.num_computed_tokens)
+            starts[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids:
+                self.blocks[req_id].extend(new_ids[0])
+            starts[req_id] = cached.num_computed_tokens[i]
+        sampled: dict[str, list[int]] = {}
+        for req_id, count in out.num_scheduled_tokens.items():
+            request = requests[req_id]
+            start = starts[req_id]
+            self.compute(request, start, start + count)
+            if start + count >= request.num_tokens:
+                sampled[req_id] = [7]
+        worker.wait_for_save()
+        finished_sending, finished_recving = worker.get_finished(out.finished_req_ids)
+        worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        req_ids = list(out.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=finished_sending or None,
+                finished_recving=finished_recving or None,
+                kv_connector_worker_meta=worker_meta,
+            ),
+        )
+
+    def compute(self, request: Request, start: int, end: int) -> None:
+        """Fill each block this step completes with the pattern of its hash."""
+        first = start // TOKENS_PER_BLOCK
+        done = min(end // TOKENS_PER_BLOCK, len(request.block_hashes))
+        if done > first:
+            blocks = self.blocks[request.request_id]
+            self.patterns.write(request.block_hashes[first:done], blocks[first:done])
+
+    def verify(self, request: Request, num_computed: int) -> None:
+        """Every block the request found computed holds exactly its hash's pattern."""
+        count = num_computed // TOKENS_PER_BLOCK
+        blocks = self.blocks[request.request_id]
+        self.mismatches += self.patterns.wrong(request.block_hashes[:count], blocks[:count])
+        self.loaded[request.request_id] = count
+
+    def wipe(self) -> None:
+        """Empty vLLM's GPU prefix cache and kvtier's primary tier, and zero the KV tensors."""
+        if not self.scheduler.reset_prefix_cache(reset_connector=True):
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+        for tensor in self.caches.values():
+            tensor.zero_()
+
+    def has_room(self, chunks: int) -> bool:
+        """Whether kvtier's primary tier can take ``chunks`` new chunks without refusing."""
+        primary = self.kvtier.primary
+        with self.kvtier.lock:
+            return bool(primary.num_free + primary.num_evictable >= chunks)
+
+    def idle(self, seconds: float) -> None:
+        self.kvtier.wait_for_completions_blocking(seconds)
+
+    def close(self) -> None:
+        try:
+            self.worker.shutdown()
+        finally:
+            self.scheduler.shutdown()
+
+
+# ------------------------------------------------------------------------ phases
+
+
+@dataclass
+class LoadFigures:
+    waits: list[float] = field(default_factory=list)
+    resident_requests: int = 0
+    recomputed_blocks: int = 0
+
+
+def prompts(seed: int, count: int, job_chunks: int) -> list[list[int]]:
+    """``count`` distinct prompts of ``job_chunks`` full blocks and a short tail."""
+    rng = random.Random(seed)
+    length = job_chunks * TOKENS_PER_BLOCK + TAIL_TOKENS
+    return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(count)]
+
+
+def store_all(engine: Engine, texts: Sequence[list[int]], job_chunks: int, idle_s: float) -> float:
+    """Seconds to store ``texts``, one new request a step, and cascade them to disk.
+
+    vLLM looks every new prompt up first, and kvtier answers RETRY until its fs tier
+    said MISS: requests wait a few steps, then go in together. A prompt is sent only
+    when the primary tier has room for it and for every prompt still waiting.
+    """
+    started = time.perf_counter()
+    scheduler = engine.scheduler
+    requests = scheduler.requests
+    sent = 0
+    unscheduled: list[str] = []
+    while sent < len(texts) or scheduler.has_requests():
+        unscheduled = [
+            req_id
+            for req_id in unscheduled
+            if req_id in requests and requests[req_id].status is RequestStatus.WAITING
+        ]
+        added = sent < len(texts) and engine.has_room((len(unscheduled) + 1) * job_chunks)
+        if added:
+            req_id = f"store-{sent}"
+            engine.add(req_id, texts[sent])
+            unscheduled.append(req_id)
+            sent += 1
+        _, _, moved = engine.step()
+        if not (moved or added):
+            engine.idle(idle_s)
+    os.sync()
+    return time.perf_counter() - started
+
+
+def load_all(
+    engine: Engine,
+    texts: Sequence[tuple[int, list[int]]],
+    job_chunks: int,
+    in_flight: int,
+    timeout_s: float,
+    idle_s: float,
+) -> tuple[float, LoadFigures]:
+    """Seconds to send ``texts`` again, ``in_flight`` at once, until each is answered."""
+    figures = LoadFigures()
+    requests = engine.scheduler.requests
+    pending = list(reversed(texts))
+    admitted: dict[str, float] = {}
+    #: The first step whose lookups deferred a request; gone once its load started.
+    deferred: dict[str, float] = {}
+    loading: set[str] = set()
+    started = time.perf_counter()
+    while pending or admitted:
+        while pending and len(admitted) < in_flight:
+            index, tokens = pending.pop()
+            req_id = f"load-{index}"
+            engine.add(req_id, tokens)
+            admitted[req_id] = time.perf_counter()
+        step_started = time.perf_counter()
+        _, finished, moved = engine.step()
+        for req_id in finished:
+            del admitted[req_id]
+            loading.discard(req_id)
+        for req_id, since in admitted.items():
+            if req_id in loading:
+                continue
+            if requests[req_id].status is RequestStatus.WAITING:
+                deferred.setdefault(req_id, step_started)
+                if step_started - since > timeout_s:
+                    raise RuntimeError(
+                        f"request {req_id} still waits for its chunks after {timeout_s:g} s"
+                    )
+                continue
+            loading.add(req_id)
+            if req_id in deferred:
+                figures.waits.append(step_started - deferred.pop(req_id))
+            else:  # every chunk was readable at its first lookup
+                figures.resident_requests += 1
+        if not moved:
+            engine.idle(idle_s)
+    elapsed = time.perf_counter() - started
+    figures.recomputed_blocks = sum(
+        job_chunks - count for req_id, count in engine.loaded.items() if req_id.startswith("load-")
+    )
+    return elapsed, figures
+
+
+# ----------------------------------------------------------------------- the run
+
+
+def step_figures(times: dict[str, StepTimes], wrapper_s: float, calls: int) -> dict[str, Any]:
+    """Step time percentiles and the shares inside it, per phase and for the loads."""
+    out: dict[str, Any] = {}
+    for phase, phase_times in times.items():
+        steps = max(1, len(phase_times.step_s))
+        total = sum(phase_times.step_s)
+        connector, adapter, kvtier = (
+            sum(phase_times.connector_s),
+            sum(phase_times.adapter_s),
+            sum(phase_times.kvtier_s),
+        )
+        prefix = "" if phase == "load" else f"{phase}_"
+        out |= {
+            f"{prefix}steps": len(phase_times.step_s),
+            f"{prefix}step_p50_ms": percentile(phase_times.step_s, 0.5) * 1e3,
+            f"{prefix}step_p99_ms": percentile(phase_times.step_s, 0.99) * 1e3,
+            f"{prefix}step_ms_mean": total / steps * 1e3,
+            f"{prefix}connector_ms_per_step": connector / steps * 1e3,
+            f"{prefix}adapter_ms_per_step": adapter / steps * 1e3,
+            f"{prefix}kvtier_ms_per_step": kvtier / steps * 1e3,
+            f"{prefix}connector_p99_ms": percentile(phase_times.connector_s, 0.99) * 1e3,
+            f"{prefix}adapter_p99_ms": percentile(phase_times.adapter_s, 0.99) * 1e3,
+            f"{prefix}kvtier_p99_ms": percentile(phase_times.kvtier_s, 0.99) * 1e3,
+            f"{prefix}connector_share": connector / total if total else 0.0,
+            f"{prefix}adapter_share": adapter / total if total else 0.0,
+            f"{prefix}kvtier_share": kvtier / total if total else 0.0,
+        }
+    out["timed_calls"] = calls
+    out["timing_overhead_us_per_call"] = wrapper_s * 1e6
+    return out
+
+
+def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    chunk = int(args.chunk_mib * MIB)
+    count = max(1, int(args.gib * GIB) // chunk // args.job_chunks)
+    cache_mode = "dropped" if args.page_cache == "drop" and drop_caches() else "o_direct"
+    engine = Engine(args, root)
+    try:
+        kvtier = engine.kvtier
+        fs = FsTierShape(kvtier)
+        chunk = engine.adapter.spec.chunk_bytes
+        raw_before = fs.measure(root / "raw-before", count * args.job_chunks, chunk)
+        probe = LagProbe()
+
+        async def start_probe() -> None:
+            probe.start()
+
+        on_loop(kvtier, start_probe)
+        texts = prompts(args.seed, count, args.job_chunks)
+        idle_s = args.idle_ms / 1e3
+        try:
+            cpu = time.process_time()
+            probe.phase = "store"
+            store_s = store_all(engine, texts, args.job_chunks, idle_s)
+            store_cpu = time.process_time() - cpu
+            probe.phase = None
+            engine.wipe()
+            make_reads_cold(cache_mode, root / "tier")
+            order = list(enumerate(texts))
+            random.Random(args.seed).shuffle(order)
+            engine.phase = "load"
+            cpu = time.process_time()
+            probe.phase = "load"
+            load_s, loads = load_all(
+                engine, order, args.job_chunks, args.in_flight, args.timeout_s, idle_s
+            )
+            load_cpu = time.process_time() - cpu
+            probe.phase = None
+        finally:
+            on_loop(kvtier, probe.stop)
+        stats = kvtier.tier_stats()[fs.label]
+        job_times = kvtier.promotion_job_times()[fs.label]
+        calls = sum(
+            c.calls for c in (engine.connector_clock, engine.adapter_clock, engine.kvtier_clock)
+        )
+        times = engine.times
+        mismatches = engine.mismatches
+    finally:
+        engine.close()
+    raw_after = fs.measure(root / "raw-after", count * args.job_chunks, chunk)
+    total = count * args.job_chunks * chunk
+    return {
+        **path_figures(
+            total_bytes=total,
+            job_bytes=args.job_chunks * chunk,
+            store_s=store_s,
+            load_s=load_s,
+            raw=raw_disk(raw_before, raw_after),
+            job_times=job_times,
+            waits=loads.waits,
+            lags=probe.by_phase,
+        ),
+        "mismatches": mismatches,
+        "recomputed_blocks": loads.recomputed_blocks,
+        "page_cache": cache_mode,
+        "raw_write_o_direct": fs.direct_write,
+        "resident_requests": loads.resident_requests,
+        "integrity_failures": int(stats["integrity_failures"]),
+        "fs_bytes_read": int(stats["bytes_read"]),
+        "fs_bytes_written": int(stats["bytes_written"]),
+        "store_cpu_s": store_cpu,
+        "load_cpu_s": load_cpu,
+        "cpu_s_per_gib": (store_cpu + load_cpu) / (total / GIB),
+        **step_figures(times, wrapper_cost_s(), calls),
+        "chunks": count * args.job_chunks,
+        "chunk_bytes": chunk,
+        "job_chunks": args.job_chunks,
+        "in_flight": args.in_flight,
+        "read_depth": fs.read_depth,
+        "write_depth": fs.write_depth,
+        "kv_heads": args.kv_heads,
+        "gpu_blocks": engine.num_blocks,
+        "device": "cpu",
+    }
+
+
+def report(figures: dict[str, Any]) -> None:
+    total = figures["chunks"] * figures["chunk_bytes"] / GIB
+    print(
+        f"vLLM path: {total:.2f} GiB of {figures['chunk_bytes'] / MIB:g} MiB blocks in "
+        f"{figures['job_chunks']}-block prompts, {figures['in_flight']} requests in flight, "
+        f"fs tier depth {figures['read_depth']} read / {figures['write_depth']} write, "
+        f"page cache {figures['page_cache']}, KV tensors on {figures['device']}"
+    )
+    print_path_summary(figures)
+    print(
+        f"  vLLM steps while loading: {figures['steps']}, p50 {figures['step_p50_ms']:.2f} ms, "
+        f"p99 {figures['step_p99_ms']:.2f} ms, mean {figures['step_ms_mean']:.2f} ms; per step "
+        f"connector {figures['connector_ms_per_step']:.3f} ms, adapter "
+        f"{figures['adapter_ms_per_step']:.3f} ms, kvtier {figures['kvtier_ms_per_step']:.3f} ms "
+        f"(timing adds {figures['timing_overhead_us_per_call']:.2f} us per call)"
+    )
+    print(
+        f"  {figures['mismatches']} mismatched blocks, {figures['recomputed_blocks']} "
+        f"recomputed; CPU {figures['cpu_s_per_gib']:.2f} s per GiB"
+    )
+    print_json(figures)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="kvtier-vllm-", dir=args.root))
+    try:
+        figures = run(args, root)
+    except ConfigError as exc:  # a bad --tier-option: say which, without a traceback
+        raise SystemExit(f"vllm_path.py: {exc}") from None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report(figures)
+
+
+if __name__ == "__main__":
+    main()
