@@ -31,7 +31,8 @@ kvtier's manager, by wrapping their methods here.
 The last line is one JSON object with ``serving_path.py``'s figures by the same names
 (``promotion_gbps``, ``promotion_ratio``, ``promotion_p50_ms`` / ``_p99_ms`` (job times),
 ``request_wait_p50_ms`` / ``_p99_ms``, ``loop_lag_p99_ms``, ``mismatches``, ...) and the
-step figures (``step_p50_ms`` / ``step_p99_ms``, ``connector_ms_per_step``, ...).
+step figures (``step_p50_ms`` / ``step_p99_ms``, ``connector_own_ms_per_step``,
+``adapter_own_ms_per_step``, ``kvtier_own_ms_per_step``, ...).
 
     .nox/vllm/bin/python benchmarks/vllm_path.py --root /path/on/the/disk/to/measure
     .nox/vllm/bin/python benchmarks/vllm_path.py --quick     # a few seconds, small sizes
@@ -154,16 +155,20 @@ class CallClock:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.calls = 0
+        #: Seconds by method name, never reset.
+        self.by_name: dict[str, float] = {}
         self._depth = 0
 
     def wrap(self, obj: Any, names: Sequence[str]) -> None:
         for name in names:
             method = getattr(obj, name, None)
             if method is not None:
-                setattr(obj, name, self._timed(method))
+                setattr(obj, name, self._timed(name, method))
 
-    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.perf_counter
+        by_name = self.by_name
+        by_name[name] = 0.0
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self._depth:
@@ -173,15 +178,19 @@ class CallClock:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds += clock() - started
+                took = clock() - started
+                self.seconds += took
+                by_name[name] += took
                 self.calls += 1
                 self._depth = 0
 
         return timed
 
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def take(self) -> tuple[float, int]:
+        """Seconds and calls since the last call."""
+        taken = self.seconds, self.calls
+        self.seconds, self.calls = 0.0, 0
+        return taken
 
 
 def wrapper_cost_s(calls: int = 200_000) -> float:
@@ -241,14 +250,26 @@ MANAGER_METHODS = (
 )
 
 
+#: The layers timed inside a step, outermost first: vLLM's connector (which calls the
+#: adapter), kvtier's adapter (which calls kvtier's manager), kvtier's manager.
+LAYERS_TIMED = ("connector", "adapter", "kvtier")
+
+
 @dataclass
 class StepTimes:
-    """Per step of one phase: vLLM's scheduler, and the shares inside it."""
+    """Per step of one phase: vLLM's scheduler, and the time of each layer inside it."""
 
     step_s: list[float] = field(default_factory=list)
-    connector_s: list[float] = field(default_factory=list)
-    adapter_s: list[float] = field(default_factory=list)
-    kvtier_s: list[float] = field(default_factory=list)
+    layer_s: dict[str, list[float]] = field(
+        default_factory=lambda: {layer: [] for layer in LAYERS_TIMED}
+    )
+    #: Timed calls per layer over the phase: each adds the timing's own cost to the
+    #: layer above it.
+    layer_calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LAYERS_TIMED, 0))
+    #: The model runner's half of each step: the worker connector and the "forward".
+    runner_s: list[float] = field(default_factory=list)
+    #: Waiting for a tier completion after steps in which nothing moved.
+    idle_s: float = 0.0
 
 
 # --------------------------------------------------------------------- the engine
@@ -342,14 +363,10 @@ class Engine:
         assert connector.connector_scheduler is not None
         self.adapter: Any = connector.connector_scheduler.manager
         self.kvtier = self.adapter.kvtier
-        self.connector_clock, self.adapter_clock, self.kvtier_clock = (
-            CallClock(),
-            CallClock(),
-            CallClock(),
-        )
-        self.connector_clock.wrap(connector, CONNECTOR_METHODS)
-        self.adapter_clock.wrap(self.adapter, MANAGER_METHODS)
-        self.kvtier_clock.wrap(self.kvtier, MANAGER_METHODS)
+        self.clocks = {layer: CallClock() for layer in LAYERS_TIMED}
+        self.clocks["connector"].wrap(connector, CONNECTOR_METHODS)
+        self.clocks["adapter"].wrap(self.adapter, MANAGER_METHODS)
+        self.clocks["kvtier"].wrap(self.kvtier, MANAGER_METHODS)
         self.times: dict[str, StepTimes] = {}
         self.phase = "store"
         self.blocks: dict[str, list[int]] = {}
@@ -357,6 +374,23 @@ class Engine:
         self.loaded: dict[str, int] = {}
         self.mismatches = 0
         self.steps = 0
+
+    def start_phase(self, phase: str) -> None:
+        """Time the steps from now on as ``phase``; the by-method times start again."""
+        self.phase = phase
+        for clock in self.clocks.values():
+            for name in clock.by_name:
+                clock.by_name[name] = 0.0
+
+    def by_method(self, layer: str) -> dict[str, float]:
+        """Milliseconds per step of this phase in each method of ``layer``, largest first."""
+        steps = max(1, len(self.times.get(self.phase, StepTimes()).step_s))
+        times = self.clocks[layer].by_name
+        return {
+            name: seconds / steps * 1e3
+            for name, seconds in sorted(times.items(), key=lambda item: -item[1])
+            if seconds
+        }
 
     def add(self, req_id: str, tokens: list[int]) -> None:
         self.scheduler.add_request(
@@ -371,19 +405,21 @@ class Engine:
 
     def step(self) -> tuple[SchedulerOutput, list[str], bool]:
         """One engine step: the output, the requests it finished, whether anything moved."""
-        for clock in (self.connector_clock, self.adapter_clock, self.kvtier_clock):
+        for clock in self.clocks.values():
             clock.take()  # calls between steps (add_request, has_requests) are not a step's
         started = time.perf_counter()
         out = self.scheduler.schedule()
         scheduled = time.perf_counter() - started
         runner_output = self.run_model(out)
-        started = time.perf_counter()
+        ran = time.perf_counter()
         engine_outputs = self.scheduler.update_from_output(out, runner_output)
         times = self.times.setdefault(self.phase, StepTimes())
-        times.step_s.append(scheduled + time.perf_counter() - started)
-        times.connector_s.append(self.connector_clock.take())
-        times.adapter_s.append(self.adapter_clock.take())
-        times.kvtier_s.append(self.kvtier_clock.take())
+        times.step_s.append(scheduled + time.perf_counter() - ran)
+        times.runner_s.append(ran - started - scheduled)
+        for layer, clock in self.clocks.items():
+            seconds, calls = clock.take()
+            times.layer_s[layer].append(seconds)
+            times.layer_calls[layer] += calls
         self.steps += 1
         finished = [
             output.request_id
@@ -481,7 +517,9 @@ class Engine:
             return bool(primary.num_free + primary.num_evictable >= chunks)
 
     def idle(self, seconds: float) -> None:
+        started = time.perf_counter()
         self.kvtier.wait_for_completions_blocking(seconds)
+        self.times.setdefault(self.phase, StepTimes()).idle_s += time.perf_counter() - started
 
     def close(self) -> None:
         try:
@@ -593,34 +631,43 @@ def load_all(
 # ----------------------------------------------------------------------- the run
 
 
-def step_figures(times: dict[str, StepTimes], wrapper_s: float, calls: int) -> dict[str, Any]:
-    """Step time percentiles and the shares inside it, per phase and for the loads."""
+def step_figures(times: dict[str, StepTimes], wrapper_s: float) -> dict[str, Any]:
+    """Step time percentiles and each layer's time inside the steps, per phase.
+
+    ``<layer>_ms_per_step`` is the time inside a layer's methods, the layers below it
+    included; ``<layer>_own_ms_per_step`` leaves out the layer below and the cost of
+    timing it, so the connector's, the adapter's and kvtier's own times add up.
+    """
     out: dict[str, Any] = {}
     for phase, phase_times in times.items():
         steps = max(1, len(phase_times.step_s))
         total = sum(phase_times.step_s)
-        connector, adapter, kvtier = (
-            sum(phase_times.connector_s),
-            sum(phase_times.adapter_s),
-            sum(phase_times.kvtier_s),
-        )
         prefix = "" if phase == "load" else f"{phase}_"
         out |= {
             f"{prefix}steps": len(phase_times.step_s),
             f"{prefix}step_p50_ms": percentile(phase_times.step_s, 0.5) * 1e3,
             f"{prefix}step_p99_ms": percentile(phase_times.step_s, 0.99) * 1e3,
             f"{prefix}step_ms_mean": total / steps * 1e3,
-            f"{prefix}connector_ms_per_step": connector / steps * 1e3,
-            f"{prefix}adapter_ms_per_step": adapter / steps * 1e3,
-            f"{prefix}kvtier_ms_per_step": kvtier / steps * 1e3,
-            f"{prefix}connector_p99_ms": percentile(phase_times.connector_s, 0.99) * 1e3,
-            f"{prefix}adapter_p99_ms": percentile(phase_times.adapter_s, 0.99) * 1e3,
-            f"{prefix}kvtier_p99_ms": percentile(phase_times.kvtier_s, 0.99) * 1e3,
-            f"{prefix}connector_share": connector / total if total else 0.0,
-            f"{prefix}adapter_share": adapter / total if total else 0.0,
-            f"{prefix}kvtier_share": kvtier / total if total else 0.0,
         }
-    out["timed_calls"] = calls
+        below = dict(zip(LAYERS_TIMED, [*LAYERS_TIMED[1:], None], strict=True))
+        for layer, seconds in phase_times.layer_s.items():
+            inner = below[layer]
+            own = sum(seconds)
+            if inner is not None:
+                own -= sum(phase_times.layer_s[inner])
+                own -= phase_times.layer_calls[inner] * wrapper_s
+            out |= {
+                f"{prefix}{layer}_ms_per_step": sum(seconds) / steps * 1e3,
+                f"{prefix}{layer}_p99_ms": percentile(seconds, 0.99) * 1e3,
+                f"{prefix}{layer}_own_ms_per_step": own / steps * 1e3,
+                f"{prefix}{layer}_own_share": own / total if total else 0.0,
+                f"{prefix}{layer}_calls": phase_times.layer_calls[layer],
+            }
+        out |= {
+            f"{prefix}scheduler_s": total,
+            f"{prefix}model_runner_s": sum(phase_times.runner_s),
+            f"{prefix}idle_s": phase_times.idle_s,
+        }
     out["timing_overhead_us_per_call"] = wrapper_s * 1e6
     return out
 
@@ -653,7 +700,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             make_reads_cold(cache_mode, root / "tier")
             order = list(enumerate(texts))
             random.Random(args.seed).shuffle(order)
-            engine.phase = "load"
+            engine.start_phase("load")
             cpu = time.process_time()
             probe.phase = "load"
             load_s, loads = load_all(
@@ -665,11 +712,11 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             on_loop(kvtier, probe.stop)
         stats = kvtier.tier_stats()[fs.label]
         job_times = kvtier.promotion_job_times()[fs.label]
-        calls = sum(
-            c.calls for c in (engine.connector_clock, engine.adapter_clock, engine.kvtier_clock)
-        )
         times = engine.times
         mismatches = engine.mismatches
+        methods = {
+            f"{layer}_ms_per_step_by_method": engine.by_method(layer) for layer in LAYERS_TIMED
+        }
     finally:
         engine.close()
     raw_after = fs.measure(root / "raw-after", count * args.job_chunks, chunk)
@@ -696,7 +743,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "store_cpu_s": store_cpu,
         "load_cpu_s": load_cpu,
         "cpu_s_per_gib": (store_cpu + load_cpu) / (total / GIB),
-        **step_figures(times, wrapper_cost_s(), calls),
+        **step_figures(times, wrapper_cost_s()),
+        **methods,
         "chunks": count * args.job_chunks,
         "chunk_bytes": chunk,
         "job_chunks": args.job_chunks,
@@ -720,10 +768,16 @@ def report(figures: dict[str, Any]) -> None:
     print_path_summary(figures)
     print(
         f"  vLLM steps while loading: {figures['steps']}, p50 {figures['step_p50_ms']:.2f} ms, "
-        f"p99 {figures['step_p99_ms']:.2f} ms, mean {figures['step_ms_mean']:.2f} ms; per step "
-        f"connector {figures['connector_ms_per_step']:.3f} ms, adapter "
-        f"{figures['adapter_ms_per_step']:.3f} ms, kvtier {figures['kvtier_ms_per_step']:.3f} ms "
-        f"(timing adds {figures['timing_overhead_us_per_call']:.2f} us per call)"
+        f"p99 {figures['step_p99_ms']:.2f} ms, mean {figures['step_ms_mean']:.2f} ms; own time "
+        f"per step: vLLM's connector {figures['connector_own_ms_per_step']:.3f} ms, kvtier's "
+        f"adapter {figures['adapter_own_ms_per_step']:.3f} ms, kvtier "
+        f"{figures['kvtier_own_ms_per_step']:.3f} ms (timing adds "
+        f"{figures['timing_overhead_us_per_call']:.2f} us per call, left out)"
+    )
+    print(
+        f"  loading: {figures['scheduler_s']:.2f} s in vLLM's scheduler, "
+        f"{figures['model_runner_s']:.2f} s in the model runner (worker connector, block "
+        f"checks), {figures['idle_s']:.2f} s waiting for tiers"
     )
     print(
         f"  {figures['mismatches']} mismatched blocks, {figures['recomputed_blocks']} "
