@@ -662,6 +662,11 @@ def step_figures(times: dict[str, StepTimes], wrapper_s: float) -> dict[str, Any
                 f"{prefix}{layer}_own_ms_per_step": own / steps * 1e3,
                 f"{prefix}{layer}_own_share": own / total if total else 0.0,
                 f"{prefix}{layer}_calls": phase_times.layer_calls[layer],
+                # Steps differ in how much they do (how many requests wait, how many
+                # finish); a layer's own time per call of it compares across runs.
+                f"{prefix}{layer}_own_us_per_call": own
+                / max(1, phase_times.layer_calls[layer])
+                * 1e6,
             }
         out |= {
             f"{prefix}scheduler_s": total,
