@@ -14,7 +14,9 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvtier import LookupResult, ReqContext, TieringOffloadingManager
+from kvtier import ConfigError, LookupResult, ReqContext, TieringOffloadingManager
 from kvtier.bench.physical import DiskLimits, drop_page_cache, measure_disk
 from kvtier.bench.probe import LagProbe, percentile
 from kvtier.keys import OffloadKey
@@ -33,6 +35,7 @@ __all__ = [
     "MIB",
     "FsTierShape",
     "LagProbe",
+    "PathRun",
     "Patterns",
     "cascade",
     "check_workload_args",
@@ -40,12 +43,12 @@ __all__ = [
     "fill_rows",
     "make_reads_cold",
     "on_loop",
-    "path_figures",
     "percentile",
     "print_json",
     "print_path_summary",
     "promote",
     "raw_disk",
+    "run_in_scratch",
     "tier_options",
     "workload_parser",
 ]
@@ -181,6 +184,25 @@ def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespac
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
 
 
+def run_in_scratch(
+    run: Callable[[argparse.Namespace, Path], dict[str, Any]],
+    args: argparse.Namespace,
+    script: str,
+) -> dict[str, Any]:
+    """``run(args, root)`` in a fresh directory under ``--root``, removed afterwards.
+
+    A bad ``--tier-option`` ends the script with kvtier's message, naming the key,
+    without a traceback.
+    """
+    root = Path(tempfile.mkdtemp(prefix=f"kvtier-{Path(script).stem}-", dir=args.root))
+    try:
+        return run(args, root)
+    except ConfigError as exc:
+        raise SystemExit(f"{script}: {exc}") from None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def tier_options(pairs: Sequence[str]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for pair in pairs:
@@ -291,40 +313,101 @@ def raw_disk(before: DiskLimits, after: DiskLimits) -> dict[str, float]:
     }
 
 
-def path_figures(
-    *,
-    total_bytes: int,
-    job_bytes: int,
-    store_s: float,
-    load_s: float,
-    raw: dict[str, float],
-    job_times: Sequence[float],
-    waits: Sequence[float],
-    lags: dict[str, list[float]],
-) -> dict[str, Any]:
-    """The figures both serving-path benchmarks report, by the same names."""
-    raw_read, raw_write = raw["raw_read_gbps"], raw["raw_write_gbps"]
-    promotion_gbps = total_bytes / load_s / 1e9
-    store_gbps = total_bytes / store_s / 1e9
-    both = lags.get("store", []) + lags.get("load", [])
-    return {
-        "promotion_gbps": promotion_gbps,
-        "promotion_ratio": promotion_gbps / raw_read,
-        "store_gbps": store_gbps,
-        "store_ratio": store_gbps / raw_write,
-        "promotion_p50_ms": percentile(job_times, 0.5) * 1e3,
-        "promotion_p99_ms": percentile(job_times, 0.99) * 1e3,
-        "promotion_p50_budget_ms": 1.5 * job_bytes / (raw_read * 1e9) * 1e3,
-        "promotion_p99_budget_ms": 3 * job_bytes / (raw_read * 1e9) * 1e3,
-        "request_wait_p50_ms": percentile(waits, 0.5) * 1e3,
-        "request_wait_p99_ms": percentile(waits, 0.99) * 1e3,
-        "loop_lag_p99_ms": percentile(both, 0.99) * 1e3,
-        **raw,
-        "loop_lag_p50_ms": percentile(both, 0.5) * 1e3,
-        "loop_lag_store_p99_ms": percentile(lags.get("store", []), 0.99) * 1e3,
-        "loop_lag_load_p99_ms": percentile(lags.get("load", []), 0.99) * 1e3,
-        "promotion_jobs": len(job_times),
-    }
+class PathRun:
+    """One serving-path run's measurements, taken the same way by both benchmarks.
+
+    :meth:`begin` takes the raw disk limit and starts the loop-lag probe on the
+    manager's loop thread; :meth:`phase` times a phase (wall clock, CPU, the probe's
+    samples); :meth:`end` stops the probe and reads the fs tier's counts and job times
+    (before the manager shuts down); :meth:`figures` takes the raw limit again and
+    returns the figures, by the names both report.
+    """
+
+    def __init__(
+        self, args: argparse.Namespace, fs: FsTierShape, page_cache: str, device: str
+    ) -> None:
+        self.args, self.fs, self.page_cache, self.device = args, fs, page_cache, device
+        self.probe = LagProbe()
+        self.seconds: dict[str, float] = {}
+        self.cpu_s: dict[str, float] = {}
+        self.fs_stats: dict[str, float] = {}
+        self.job_times: list[float] = []
+        self._raw_before: DiskLimits | None = None
+
+    def begin(
+        self, manager: TieringOffloadingManager, root: Path, chunks: int, chunk_bytes: int
+    ) -> None:
+        self._raw_before = self.fs.measure(root / "raw-before", chunks, chunk_bytes)
+        probe = self.probe
+
+        async def start_probe() -> None:
+            probe.start()
+
+        on_loop(manager, start_probe)
+
+    def phase(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, timed as phase ``name`` (``store`` or ``load``)."""
+        cpu, started = time.process_time(), time.perf_counter()
+        self.probe.phase = name
+        try:
+            return fn(*args)
+        finally:
+            self.probe.phase = None
+            self.seconds[name] = time.perf_counter() - started
+            self.cpu_s[name] = time.process_time() - cpu
+
+    def end(self, manager: TieringOffloadingManager) -> None:
+        on_loop(manager, self.probe.stop)
+        self.fs_stats = manager.tier_stats()[self.fs.label]
+        self.job_times = manager.promotion_job_times()[self.fs.label]
+
+    def figures(
+        self, root: Path, chunks: int, chunk_bytes: int, waits: Sequence[float]
+    ) -> dict[str, Any]:
+        """The figures both benchmarks report; ``waits``: each request's wait (seconds)."""
+        assert self._raw_before is not None, "begin() first"
+        raw = raw_disk(self._raw_before, self.fs.measure(root / "raw-after", chunks, chunk_bytes))
+        raw_read, raw_write = raw["raw_read_gbps"], raw["raw_write_gbps"]
+        args, fs, lags = self.args, self.fs, self.probe.by_phase
+        total_bytes, job_bytes = chunks * chunk_bytes, args.job_chunks * chunk_bytes
+        promotion_gbps = total_bytes / self.seconds["load"] / 1e9
+        store_gbps = total_bytes / self.seconds["store"] / 1e9
+        both = lags.get("store", []) + lags.get("load", [])
+        job_times = self.job_times
+        store_cpu_s, load_cpu_s = self.cpu_s["store"], self.cpu_s["load"]
+        return {
+            "promotion_gbps": promotion_gbps,
+            "promotion_ratio": promotion_gbps / raw_read,
+            "store_gbps": store_gbps,
+            "store_ratio": store_gbps / raw_write,
+            "promotion_p50_ms": percentile(job_times, 0.5) * 1e3,
+            "promotion_p99_ms": percentile(job_times, 0.99) * 1e3,
+            "promotion_p50_budget_ms": 1.5 * job_bytes / (raw_read * 1e9) * 1e3,
+            "promotion_p99_budget_ms": 3 * job_bytes / (raw_read * 1e9) * 1e3,
+            "request_wait_p50_ms": percentile(waits, 0.5) * 1e3,
+            "request_wait_p99_ms": percentile(waits, 0.99) * 1e3,
+            "loop_lag_p99_ms": percentile(both, 0.99) * 1e3,
+            **raw,
+            "page_cache": self.page_cache,
+            "raw_write_o_direct": fs.direct_write,
+            "loop_lag_p50_ms": percentile(both, 0.5) * 1e3,
+            "loop_lag_store_p99_ms": percentile(lags.get("store", []), 0.99) * 1e3,
+            "loop_lag_load_p99_ms": percentile(lags.get("load", []), 0.99) * 1e3,
+            "promotion_jobs": len(job_times),
+            "integrity_failures": int(self.fs_stats["integrity_failures"]),
+            "fs_bytes_read": int(self.fs_stats["bytes_read"]),
+            "fs_bytes_written": int(self.fs_stats["bytes_written"]),
+            "store_cpu_s": store_cpu_s,
+            "load_cpu_s": load_cpu_s,
+            "cpu_s_per_gib": (store_cpu_s + load_cpu_s) / (total_bytes / GIB),
+            "chunks": chunks,
+            "chunk_bytes": chunk_bytes,
+            "job_chunks": args.job_chunks,
+            "in_flight": args.in_flight,
+            "read_depth": fs.read_depth,
+            "write_depth": fs.write_depth,
+            "device": self.device,
+        }
 
 
 def print_path_summary(figures: dict[str, Any]) -> None:

@@ -48,8 +48,6 @@ import hashlib
 import os
 import queue
 import random
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -64,23 +62,20 @@ from common import (
     GIB,
     MIB,
     FsTierShape,
-    LagProbe,
+    PathRun,
     Patterns,
     check_workload_args,
     drop_caches,
     make_reads_cold,
-    on_loop,
-    path_figures,
     print_json,
     print_path_summary,
-    raw_disk,
+    run_in_scratch,
     tier_options,
     workload_parser,
 )
 from scheduler import measure_scheduler
 
 from kvtier import (
-    ConfigError,
     LookupResult,
     OffloadingConfig,
     OffloadingSpecFactory,
@@ -373,77 +368,37 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         worker = spec.create_worker(caches)
         fs = FsTierShape(manager)
         chunk = spec.chunk_bytes  # rounded up to whole pages
-        raw_before = fs.measure(root / "raw-before", count, chunk)
+        measured = PathRun(args, fs, cache_mode, device)
+        measured.begin(manager, root, count, chunk)
         copier = CopyThread(worker, Patterns(caches, args.seed))
         copier.start()
-        probe = LagProbe()
-
-        async def start_probe() -> None:
-            probe.start()
-
-        on_loop(manager, start_probe)
         keys = chunk_keys(args.seed, count)
         requests = [keys[i : i + args.job_chunks] for i in range(0, count, args.job_chunks)]
         scheduler = Scheduler(
             manager, copier, args.job_chunks, args.in_flight, args.timeout_s, args.idle_ms / 1e3
         )
         try:
-            cpu = time.process_time()
-            probe.phase = "store"
-            store_s = scheduler.store_all(requests)
-            store_cpu = time.process_time() - cpu
-            probe.phase = None
+            measured.phase("store", scheduler.store_all, requests)
             manager.reset_cache()
             make_reads_cold(cache_mode, root / "tier")
             order = list(requests)
             random.Random(args.seed).shuffle(order)
-            cpu = time.process_time()
-            probe.phase = "load"
-            load_s = scheduler.load_all(order)
-            load_cpu = time.process_time() - cpu
-            probe.phase = None
+            measured.phase("load", scheduler.load_all, order)
         finally:
             copier.inbox.put(None)
             copier.join()
-            on_loop(manager, probe.stop)
-        manager.on_schedule_end()
-        stats = manager.tier_stats()[fs.label]
-        job_times = manager.promotion_job_times()[fs.label]
+            measured.end(manager)
     finally:
         spec.shutdown()
-    raw_after = fs.measure(root / "raw-after", count, chunk)
     figures = scheduler.figures
     return {
-        **path_figures(
-            total_bytes=count * chunk,
-            job_bytes=args.job_chunks * chunk,
-            store_s=store_s,
-            load_s=load_s,
-            raw=raw_disk(raw_before, raw_after),
-            job_times=job_times,
-            waits=figures.promotion_s,
-            lags=probe.by_phase,
-        ),
+        **measured.figures(root, count, chunk, figures.promotion_s),
         "mismatches": figures.mismatches,
-        "page_cache": cache_mode,
-        "raw_write_o_direct": fs.direct_write,
         "resident_requests": figures.resident_requests,
         "lookup_misses": figures.lookup_misses,
         "copy_failures": figures.copy_failures,
-        "integrity_failures": int(stats["integrity_failures"]),
-        "fs_bytes_read": int(stats["bytes_read"]),
-        "fs_bytes_written": int(stats["bytes_written"]),
-        "store_cpu_s": store_cpu,
-        "load_cpu_s": load_cpu,
         "steps": figures.steps,
-        "steps_per_s": figures.steps / (store_s + load_s),
-        "chunks": count,
-        "chunk_bytes": chunk,
-        "job_chunks": args.job_chunks,
-        "in_flight": args.in_flight,
-        "read_depth": fs.read_depth,
-        "write_depth": fs.write_depth,
-        "device": device,
+        "steps_per_s": figures.steps / sum(measured.seconds.values()),
     }
 
 
@@ -466,13 +421,7 @@ def report(figures: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="kvtier-serving-", dir=args.root))
-    try:
-        figures = run(args, root)
-    except ConfigError as exc:  # a bad --tier-option: say which, without a traceback
-        raise SystemExit(f"serving_path.py: {exc}") from None
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    figures = run_in_scratch(run, args, "serving_path.py")
     rates = measure_scheduler(args.lookups, args.store_cycles, stored=args.stored)
     figures["lookup_hit_ops_s"] = rates["lookups_per_s"]
     figures["store_cycle_ops_s"] = rates["store_cycles_per_s"]

@@ -43,11 +43,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
-import tempfile
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,64 +54,27 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+import common
 import torch
-from common import (
-    GIB,
-    MIB,
-    FsTierShape,
-    LagProbe,
-    Patterns,
-    check_workload_args,
-    drop_caches,
-    make_reads_cold,
-    on_loop,
-    path_figures,
-    percentile,
-    print_json,
-    print_path_summary,
-    raw_disk,
-    tier_options,
-    workload_parser,
+from vllm_offline import (
+    MAX_MODEL_LEN,
+    FullAttentionSpec,
+    ModelRunnerOutput,
+    OffloadingConnector,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    SchedulerOutput,
+    begin_step,
+    block_hasher,
+    end_step,
+    engine_config,
+    model_config,
+    one_group_kv_cache,
+    scheduler,
+    worker_connector,
 )
 
-from kvtier import ConfigError
-
-# Importing vLLM compiles a few kernels with torch, which warns about its own
-# deprecations; they say nothing about this benchmark.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVEventsConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-        OffloadingConnector,
-    )
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request, RequestStatus
-    from vllm.v1.structured_output import StructuredOutputManager
-
-#: The offline Llama config.json the vLLM tests use: it satisfies ModelConfig, and the
-#: KV cache below is sized by hand, not from it.
-MODEL_DIR = Path(__file__).resolve().parents[1] / "tests" / "integrations" / "vllm" / "model"
-MAX_MODEL_LEN = 2048  # the tiny config's max_position_embeddings
 TOKENS_PER_BLOCK = 16  # vLLM's default block size
 HEAD_SIZE = 128
 # Two KV tensors of half a chunk each per block, as serving_path.py's worker copies: a
@@ -127,10 +87,10 @@ TAIL_TOKENS = 2
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = workload_parser(__doc__.split("\n\n")[0])
+    parser = common.workload_parser(__doc__.split("\n\n")[0])
     args = parser.parse_args(argv)
-    check_workload_args(parser, args)
-    chunk = int(args.chunk_mib * MIB)
+    common.check_workload_args(parser, args)
+    chunk = int(args.chunk_mib * common.MIB)
     per_head = len(LAYERS) * 2 * TOKENS_PER_BLOCK * HEAD_SIZE * 2  # K and V, fp16
     if chunk % per_head:
         parser.error(f"--chunk-mib must be a multiple of {per_head} bytes here")
@@ -155,7 +115,7 @@ class CallClock:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.calls = 0
-        #: Seconds by method name, never reset.
+        #: Seconds by method name, over a whole phase (``Engine.start_phase`` resets them).
         self.by_name: dict[str, float] = {}
         self._depth = 0
 
@@ -279,82 +239,46 @@ class Engine:
     """vLLM's scheduler plus a worker-role connector over CPU KV tensors, stepped by hand."""
 
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
-        tier = {"type": "fs", "root_dir": str(root / "tier"), **tier_options(args.tier_option)}
+        tier = {
+            "type": "fs",
+            "root_dir": str(root / "tier"),
+            **common.tier_options(args.tier_option),
+        }
         prompt_tokens = args.job_chunks * TOKENS_PER_BLOCK + TAIL_TOKENS
         # Every request in flight holds its blocks and one for its tail; two more
         # requests' worth keeps stores from recycling blocks still being copied.
         self.num_blocks = (args.in_flight + 2) * (args.job_chunks + 1) + 1
-        self.config = VllmConfig(
-            model_config=ModelConfig(
-                model=str(MODEL_DIR),
-                skip_tokenizer_init=True,
-                dtype="float16",
-                max_model_len=MAX_MODEL_LEN,
-            ),
-            cache_config=CacheConfig(block_size=TOKENS_PER_BLOCK, enable_prefix_caching=True),
-            device_config=DeviceConfig(device="cpu"),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=args.in_flight,
-                max_num_batched_tokens=max(MAX_MODEL_LEN, args.in_flight * prompt_tokens),
-                max_model_len=MAX_MODEL_LEN,
-                is_encoder_decoder=False,
-            ),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=False, publisher="null"),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector",
-                kv_role="kv_both",
-                engine_id=f"bench-vllm-{uuid.uuid4().hex[:8]}",
-                kv_connector_extra_config={
-                    "spec_name": "KVTierOffloadingSpec",
-                    "spec_module_path": "kvtier.integrations.vllm",
-                    "cpu_bytes_to_use": int(args.primary_gib * GIB),
-                    "secondary_tiers": [tier],
-                },
-            ),
+        self.config = engine_config(
+            model_config(),
+            {"cpu_bytes_to_use": int(args.primary_gib * common.GIB), "secondary_tiers": [tier]},
+            engine_id=f"bench-vllm-{uuid.uuid4().hex[:8]}",
+            block_size=TOKENS_PER_BLOCK,
+            num_blocks=self.num_blocks,
+            max_num_seqs=args.in_flight,
+            max_num_batched_tokens=max(MAX_MODEL_LEN, args.in_flight * prompt_tokens),
         )
-        self.config.cache_config.num_gpu_blocks = self.num_blocks
         attention = FullAttentionSpec(
             block_size=TOKENS_PER_BLOCK,
             num_kv_heads=args.kv_heads,
             head_size=HEAD_SIZE,
             dtype=torch.float16,
         )
-        page = attention.page_size_bytes
-        kv_cache_config = KVCacheConfig(
-            num_blocks=self.num_blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=page * self.num_blocks * len(LAYERS),
-                    layers=list(LAYERS),
-                    layer_stride=page * self.num_blocks,
-                    block_stride=page,
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), attention)],
-        )
-        init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(TOKENS_PER_BLOCK, sha256)
-        self.scheduler = Scheduler(
-            vllm_config=self.config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.config),
-            block_size=TOKENS_PER_BLOCK,
-            log_stats=True,
-        )
+        kv_cache = one_group_kv_cache(self.num_blocks, LAYERS, attention)
+        self.hasher = block_hasher(TOKENS_PER_BLOCK)
+        self.scheduler = scheduler(self.config, kv_cache)
+        self.caches = {
+            name: torch.zeros(
+                (self.num_blocks, 2, TOKENS_PER_BLOCK, args.kv_heads, HEAD_SIZE),
+                dtype=torch.float16,
+            )
+            for name in LAYERS
+        }
         try:
-            self.worker = OffloadingConnector(self.config, KVConnectorRole.WORKER, kv_cache_config)
-            self.caches = {
-                name: torch.zeros(
-                    (self.num_blocks, 2, TOKENS_PER_BLOCK, args.kv_heads, HEAD_SIZE),
-                    dtype=torch.float16,
-                )
-                for name in LAYERS
-            }
-            self.worker.register_kv_caches(self.caches)
+            self.worker = worker_connector(self.config, kv_cache, self.caches)
         except BaseException:
             self.scheduler.shutdown()
             raise
-        self.patterns = Patterns(
+        self.patterns = common.Patterns(
             [cache.view(self.num_blocks, -1).view(torch.int64) for cache in self.caches.values()],
             args.seed,
         )
@@ -441,12 +365,7 @@ class Engine:
 
     def run_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """The model runner's half of a step: connector hooks around a cheap forward pass."""
-        worker = self.worker
-        meta = out.kv_connector_metadata
-        assert meta is not None
-        worker.bind_connector_metadata(meta)
-        worker.handle_preemptions(meta)
-        worker.start_load_kv(None)  # type: ignore[arg-type]
+        begin_step(self.worker, out)
         if out.preempted_req_ids or out.scheduled_cached_reqs.resumed_req_ids:
             raise RuntimeError(
                 "a request was preempted: the benchmark sizes vLLM's blocks so none is"
@@ -472,21 +391,7 @@ class Engine:
             self.compute(request, start, start + count)
             if start + count >= request.num_tokens:
                 sampled[req_id] = [7]
-        worker.wait_for_save()
-        finished_sending, finished_recving = worker.get_finished(out.finished_req_ids)
-        worker_meta = worker.build_connector_worker_meta()
-        worker.clear_connector_metadata()
-        req_ids = list(out.num_scheduled_tokens)
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=finished_sending or None,
-                finished_recving=finished_recving or None,
-                kv_connector_worker_meta=worker_meta,
-            ),
-        )
+        return end_step(self.worker, out, sampled)
 
     def compute(self, request: Request, start: int, end: int) -> None:
         """Fill each block this step completes with the pattern of its hash."""
@@ -583,8 +488,8 @@ def load_all(
     in_flight: int,
     timeout_s: float,
     idle_s: float,
-) -> tuple[float, LoadFigures]:
-    """Seconds to send ``texts`` again, ``in_flight`` at once, until each is answered."""
+) -> LoadFigures:
+    """Send ``texts`` again, ``in_flight`` at once, until each is answered."""
     figures = LoadFigures()
     requests = engine.scheduler.requests
     pending = list(reversed(texts))
@@ -592,7 +497,6 @@ def load_all(
     #: The first step whose lookups deferred a request; gone once its load started.
     deferred: dict[str, float] = {}
     loading: set[str] = set()
-    started = time.perf_counter()
     while pending or admitted:
         while pending and len(admitted) < in_flight:
             index, tokens = pending.pop()
@@ -621,11 +525,10 @@ def load_all(
                 figures.resident_requests += 1
         if not moved:
             engine.idle(idle_s)
-    elapsed = time.perf_counter() - started
     figures.recomputed_blocks = sum(
         job_chunks - count for req_id, count in engine.loaded.items() if req_id.startswith("load-")
     )
-    return elapsed, figures
+    return figures
 
 
 # ----------------------------------------------------------------------- the run
@@ -645,8 +548,8 @@ def step_figures(times: dict[str, StepTimes], wrapper_s: float) -> dict[str, Any
         prefix = "" if phase == "load" else f"{phase}_"
         out |= {
             f"{prefix}steps": len(phase_times.step_s),
-            f"{prefix}step_p50_ms": percentile(phase_times.step_s, 0.5) * 1e3,
-            f"{prefix}step_p99_ms": percentile(phase_times.step_s, 0.99) * 1e3,
+            f"{prefix}step_p50_ms": common.percentile(phase_times.step_s, 0.5) * 1e3,
+            f"{prefix}step_p99_ms": common.percentile(phase_times.step_s, 0.99) * 1e3,
             f"{prefix}step_ms_mean": total / steps * 1e3,
         }
         below = dict(zip(LAYERS_TIMED, [*LAYERS_TIMED[1:], None], strict=True))
@@ -658,7 +561,7 @@ def step_figures(times: dict[str, StepTimes], wrapper_s: float) -> dict[str, Any
                 own -= phase_times.layer_calls[inner] * wrapper_s
             out |= {
                 f"{prefix}{layer}_ms_per_step": sum(seconds) / steps * 1e3,
-                f"{prefix}{layer}_p99_ms": percentile(seconds, 0.99) * 1e3,
+                f"{prefix}{layer}_p99_ms": common.percentile(seconds, 0.99) * 1e3,
                 f"{prefix}{layer}_own_ms_per_step": own / steps * 1e3,
                 f"{prefix}{layer}_own_share": own / total if total else 0.0,
                 f"{prefix}{layer}_calls": phase_times.layer_calls[layer],
@@ -678,99 +581,63 @@ def step_figures(times: dict[str, StepTimes], wrapper_s: float) -> dict[str, Any
 
 
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    chunk = int(args.chunk_mib * MIB)
-    count = max(1, int(args.gib * GIB) // chunk // args.job_chunks)
-    cache_mode = "dropped" if args.page_cache == "drop" and drop_caches() else "o_direct"
+    chunk = int(args.chunk_mib * common.MIB)
+    count = max(1, int(args.gib * common.GIB) // chunk // args.job_chunks)
+    chunks = count * args.job_chunks
+    cache_mode = "dropped" if args.page_cache == "drop" and common.drop_caches() else "o_direct"
     engine = Engine(args, root)
     try:
-        kvtier = engine.kvtier
-        fs = FsTierShape(kvtier)
+        fs = common.FsTierShape(engine.kvtier)
         chunk = engine.adapter.spec.chunk_bytes
-        raw_before = fs.measure(root / "raw-before", count * args.job_chunks, chunk)
-        probe = LagProbe()
-
-        async def start_probe() -> None:
-            probe.start()
-
-        on_loop(kvtier, start_probe)
+        measured = common.PathRun(args, fs, cache_mode, "cpu")
+        measured.begin(engine.kvtier, root, chunks, chunk)
         texts = prompts(args.seed, count, args.job_chunks)
         idle_s = args.idle_ms / 1e3
         try:
-            cpu = time.process_time()
-            probe.phase = "store"
-            store_s = store_all(engine, texts, args.job_chunks, idle_s)
-            store_cpu = time.process_time() - cpu
-            probe.phase = None
+            measured.phase("store", store_all, engine, texts, args.job_chunks, idle_s)
             engine.wipe()
-            make_reads_cold(cache_mode, root / "tier")
+            common.make_reads_cold(cache_mode, root / "tier")
             order = list(enumerate(texts))
             random.Random(args.seed).shuffle(order)
             engine.start_phase("load")
-            cpu = time.process_time()
-            probe.phase = "load"
-            load_s, loads = load_all(
-                engine, order, args.job_chunks, args.in_flight, args.timeout_s, idle_s
+            loads = measured.phase(
+                "load",
+                load_all,
+                engine,
+                order,
+                args.job_chunks,
+                args.in_flight,
+                args.timeout_s,
+                idle_s,
             )
-            load_cpu = time.process_time() - cpu
-            probe.phase = None
         finally:
-            on_loop(kvtier, probe.stop)
-        stats = kvtier.tier_stats()[fs.label]
-        job_times = kvtier.promotion_job_times()[fs.label]
-        times = engine.times
-        mismatches = engine.mismatches
+            measured.end(engine.kvtier)
         methods = {
             f"{layer}_ms_per_step_by_method": engine.by_method(layer) for layer in LAYERS_TIMED
         }
     finally:
         engine.close()
-    raw_after = fs.measure(root / "raw-after", count * args.job_chunks, chunk)
-    total = count * args.job_chunks * chunk
     return {
-        **path_figures(
-            total_bytes=total,
-            job_bytes=args.job_chunks * chunk,
-            store_s=store_s,
-            load_s=load_s,
-            raw=raw_disk(raw_before, raw_after),
-            job_times=job_times,
-            waits=loads.waits,
-            lags=probe.by_phase,
-        ),
-        "mismatches": mismatches,
+        **measured.figures(root, chunks, chunk, loads.waits),
+        "mismatches": engine.mismatches,
         "recomputed_blocks": loads.recomputed_blocks,
-        "page_cache": cache_mode,
-        "raw_write_o_direct": fs.direct_write,
         "resident_requests": loads.resident_requests,
-        "integrity_failures": int(stats["integrity_failures"]),
-        "fs_bytes_read": int(stats["bytes_read"]),
-        "fs_bytes_written": int(stats["bytes_written"]),
-        "store_cpu_s": store_cpu,
-        "load_cpu_s": load_cpu,
-        "cpu_s_per_gib": (store_cpu + load_cpu) / (total / GIB),
-        **step_figures(times, wrapper_cost_s()),
+        **step_figures(engine.times, wrapper_cost_s()),
         **methods,
-        "chunks": count * args.job_chunks,
-        "chunk_bytes": chunk,
-        "job_chunks": args.job_chunks,
-        "in_flight": args.in_flight,
-        "read_depth": fs.read_depth,
-        "write_depth": fs.write_depth,
         "kv_heads": args.kv_heads,
         "gpu_blocks": engine.num_blocks,
-        "device": "cpu",
     }
 
 
 def report(figures: dict[str, Any]) -> None:
-    total = figures["chunks"] * figures["chunk_bytes"] / GIB
+    total = figures["chunks"] * figures["chunk_bytes"] / common.GIB
     print(
-        f"vLLM path: {total:.2f} GiB of {figures['chunk_bytes'] / MIB:g} MiB blocks in "
+        f"vLLM path: {total:.2f} GiB of {figures['chunk_bytes'] / common.MIB:g} MiB blocks in "
         f"{figures['job_chunks']}-block prompts, {figures['in_flight']} requests in flight, "
         f"fs tier depth {figures['read_depth']} read / {figures['write_depth']} write, "
         f"page cache {figures['page_cache']}, KV tensors on {figures['device']}"
     )
-    print_path_summary(figures)
+    common.print_path_summary(figures)
     print(
         f"  vLLM steps while loading: {figures['steps']}, p50 {figures['step_p50_ms']:.2f} ms, "
         f"p99 {figures['step_p99_ms']:.2f} ms, mean {figures['step_ms_mean']:.2f} ms; own time "
@@ -788,19 +655,11 @@ def report(figures: dict[str, Any]) -> None:
         f"  {figures['mismatches']} mismatched blocks, {figures['recomputed_blocks']} "
         f"recomputed; CPU {figures['cpu_s_per_gib']:.2f} s per GiB"
     )
-    print_json(figures)
+    common.print_json(figures)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="kvtier-vllm-", dir=args.root))
-    try:
-        figures = run(args, root)
-    except ConfigError as exc:  # a bad --tier-option: say which, without a traceback
-        raise SystemExit(f"vllm_path.py: {exc}") from None
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    report(figures)
+    report(common.run_in_scratch(run, parse_args(argv), "vllm_path.py"))
 
 
 if __name__ == "__main__":
