@@ -174,6 +174,11 @@ def vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
                 )
                 if in_vllm
                 else "-",
+                " / ".join(
+                    f"{r[f'{layer}_own_us_per_call']:.2f}" for layer in ("adapter", "kvtier")
+                )
+                if in_vllm
+                else "-",
                 str(r["mismatches"]),
             ]
         )
@@ -187,6 +192,7 @@ def vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
         "CPU s per GiB",
         "vLLM step ms p50 / p99",
         "own ms per step: connector / adapter / kvtier",
+        "own us per call: adapter / kvtier",
         "mismatches",
     ]
     r = runs[-1][1]
