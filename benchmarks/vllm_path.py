@@ -26,7 +26,8 @@ from the block's hash (two KV tensors of half a chunk each, as in ``serving_path
 
 Every step is timed (``scheduler.schedule()`` plus ``update_from_output``), and inside it
 the time spent in vLLM's connector, in kvtier's adapter (the spec's manager) and in
-kvtier's manager, by wrapping their methods here.
+kvtier's manager, by wrapping their methods here. vLLM's engine is built as the vLLM
+tests build theirs (``vllm_offline.py``); it needs vLLM, as ``nox -s vllm`` installs it.
 
 The last line is one JSON object with ``serving_path.py``'s figures by the same names
 (``promotion_gbps``, ``promotion_ratio``, ``promotion_p50_ms`` / ``_p99_ms`` (job times),
@@ -35,7 +36,8 @@ step figures (``step_p50_ms`` / ``step_p99_ms``, ``connector_own_ms_per_step``,
 ``adapter_own_ms_per_step``, ``kvtier_own_ms_per_step``, ...).
 
     .nox/vllm/bin/python benchmarks/vllm_path.py --root /path/on/the/disk/to/measure
-    .nox/vllm/bin/python benchmarks/vllm_path.py --quick     # a few seconds, small sizes
+    .nox/vllm/bin/python benchmarks/vllm_path.py --quick     # small sizes; a few seconds
+                                                             # after importing vLLM
 """
 
 from __future__ import annotations
