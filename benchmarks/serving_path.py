@@ -44,15 +44,10 @@ more.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
-import json
 import os
 import queue
 import random
-import shutil
-import statistics
-import tempfile
 import threading
 import time
 import uuid
@@ -63,11 +58,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import LagProbe, percentile
+from common import (
+    GIB,
+    MIB,
+    FsTierShape,
+    PathRun,
+    Patterns,
+    check_workload_args,
+    drop_caches,
+    make_reads_cold,
+    print_json,
+    print_path_summary,
+    run_in_scratch,
+    tier_options,
+    workload_parser,
+)
 from scheduler import measure_scheduler
 
 from kvtier import (
-    ConfigError,
     LookupResult,
     OffloadingConfig,
     OffloadingSpecFactory,
@@ -76,147 +84,27 @@ from kvtier import (
     TieringOffloadingManager,
     make_offload_key,
 )
-from kvtier.bench.physical import drop_page_cache, measure_disk
 from kvtier.records import TransferResult
 from kvtier.worker import OffloadingWorker
 
-MIB = 1 << 20
-GIB = 1 << 30
-
-# How long an idle scheduler step waits for a tier completion before it steps again
-# (worker copies do not wake it), unless --idle-ms says otherwise: short next to a
-# 16-chunk job's tens of milliseconds, long enough not to spin on a two-core machine.
-_IDLE_WAIT_MS = 1.0
 # How often the worker thread polls for finished copies while some are in flight.
 _COPY_POLL_S = 0.0002
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=Path, default=None, help="directory on the disk to test")
-    parser.add_argument("--gib", type=float, default=4.0, help="GiB of distinct chunks")
-    parser.add_argument("--primary-gib", type=float, default=1.0)
-    parser.add_argument("--chunk-mib", type=float, default=2.0)
-    parser.add_argument("--job-chunks", type=int, default=16, help="chunks per request")
-    parser.add_argument("--in-flight", type=int, default=16, help="load requests at once")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--tier-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an fs tier parameter (value as JSON, else a string), e.g. read_depth=8",
-    )
-    parser.add_argument(
-        "--idle-ms",
-        type=float,
-        default=_IDLE_WAIT_MS,
-        help="how long a step that found nothing to do waits for a tier completion",
-    )
+    parser = workload_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--lookups", type=int, default=2_000_000)
     parser.add_argument("--store-cycles", type=int, default=300_000)
-    parser.add_argument(
-        "--timeout-s", type=float, default=60.0, help="longest a request may wait for its chunks"
-    )
-    parser.add_argument(
-        "--page-cache",
-        choices=("drop", "o_direct"),
-        default="drop",
-        help="make reads cold by dropping the page cache (as root; else falls back) or "
-        "by reading the raw file with O_DIRECT and evicting the tier's files",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="small sizes, a few seconds, the page cache left alone (a smoke test)",
-    )
     args = parser.parse_args(argv)
+    check_workload_args(parser, args)
     if args.quick:
-        args.gib, args.primary_gib, args.chunk_mib = 0.09375, 1 / 32, 0.25
-        args.in_flight = min(args.in_flight, 4)
         args.lookups, args.store_cycles, args.stored = 20_000, 5_000, 5_000
-        # A smoke test on a shared machine must not empty everyone's page cache.
-        args.page_cache = "o_direct"
     else:
         args.stored = 100_000
-    for name in ("gib", "primary_gib", "chunk_mib", "idle_ms"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
-    for name in ("job_chunks", "in_flight"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
 
-def tier_options(pairs: Sequence[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--tier-option expects KEY=VALUE, got {pair!r}")
-        try:
-            options[name] = json.loads(text)
-        except json.JSONDecodeError:
-            options[name] = text
-    return options
-
-
-# ------------------------------------------------------------------ raw reference
-
-
-def drop_caches() -> bool:
-    """Drop the whole page cache after a sync; False where that is not permitted."""
-    os.sync()
-    if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
-        return False
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        return False
-    return True
-
-
 # ------------------------------------------------------------------ the worker side
-
-
-class Patterns:
-    """What the "model" computes for a chunk: seeded random bytes XORed with its key.
-
-    Every chunk differs from every other in every word, so a chunk served under the
-    wrong key, torn, or shifted never compares equal.
-    """
-
-    def __init__(self, caches: Sequence[torch.Tensor], seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.bases = [
-            torch.randint(
-                -(1 << 62), 1 << 62, cache.shape[1:], dtype=torch.int64, generator=generator
-            ).to(cache.device)
-            for cache in caches
-        ]
-        self.caches = caches
-
-    @staticmethod
-    def value(key: OffloadKey) -> int:
-        return int.from_bytes(key[:8], "big", signed=True)
-
-    def write(self, keys: Sequence[OffloadKey], blocks: Sequence[int]) -> None:
-        for key, block in zip(keys, blocks, strict=True):
-            value = self.value(key)
-            for cache, base in zip(self.caches, self.bases, strict=True):
-                torch.bitwise_xor(base, value, out=cache[block])
-
-    def wrong(self, keys: Sequence[OffloadKey], blocks: Sequence[int]) -> int:
-        """How many of ``keys`` do not hold their pattern in ``blocks``."""
-        wrong = 0
-        for key, block in zip(keys, blocks, strict=True):
-            value = self.value(key)
-            if not all(
-                torch.equal(cache[block] ^ value, base)
-                for cache, base in zip(self.caches, self.bases, strict=True)
-            ):
-                wrong += 1
-        return wrong
 
 
 @dataclass
@@ -454,12 +342,6 @@ def chunk_keys(seed: int, count: int) -> list[OffloadKey]:
     ]
 
 
-def on_loop(manager: TieringOffloadingManager, fn: Any) -> Any:
-    """Run the coroutine function ``fn`` on the manager's loop thread and return its result."""
-    assert manager.loop is not None
-    return asyncio.run_coroutine_threadsafe(fn(), manager.loop.loop).result()
-
-
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     chunk = int(args.chunk_mib * MIB)
     count = max(1, int(args.gib * GIB) // chunk // args.job_chunks) * args.job_chunks
@@ -484,107 +366,39 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     try:
         manager = spec.get_manager()
         worker = spec.create_worker(caches)
-        fs = manager.tiers[0]
-        direct_write = bool(getattr(fs, "o_direct", False))
-        read_depth = getattr(getattr(fs, "settings", None), "read_depth", 1)
-        write_depth = getattr(getattr(fs, "settings", None), "write_depth", 1)
+        fs = FsTierShape(manager)
         chunk = spec.chunk_bytes  # rounded up to whole pages
-        raw_before = measure_disk(
-            root / "raw-before", count, chunk, depth=read_depth, direct=direct_write
-        )
+        measured = PathRun(args, fs, cache_mode, device)
+        measured.begin(manager, root, count, chunk)
         copier = CopyThread(worker, Patterns(caches, args.seed))
         copier.start()
-        probe = LagProbe()
-
-        async def start_probe() -> None:
-            probe.start()
-
-        on_loop(manager, start_probe)
         keys = chunk_keys(args.seed, count)
         requests = [keys[i : i + args.job_chunks] for i in range(0, count, args.job_chunks)]
         scheduler = Scheduler(
             manager, copier, args.job_chunks, args.in_flight, args.timeout_s, args.idle_ms / 1e3
         )
         try:
-            cpu = time.process_time()
-            probe.phase = "store"
-            store_s = scheduler.store_all(requests)
-            store_cpu = time.process_time() - cpu
-            probe.phase = None
+            measured.phase("store", scheduler.store_all, requests)
             manager.reset_cache()
-            if cache_mode == "dropped":
-                drop_caches()
-            else:
-                drop_page_cache([path for path in (root / "tier").rglob("*") if path.is_file()])
+            make_reads_cold(cache_mode, root / "tier")
             order = list(requests)
             random.Random(args.seed).shuffle(order)
-            cpu = time.process_time()
-            probe.phase = "load"
-            load_s = scheduler.load_all(order)
-            load_cpu = time.process_time() - cpu
-            probe.phase = None
+            measured.phase("load", scheduler.load_all, order)
         finally:
             copier.inbox.put(None)
             copier.join()
-            on_loop(manager, probe.stop)
-        manager.on_schedule_end()
-        stats = manager.tier_stats()[manager.tier_labels[0]]
-        job_times = manager.promotion_job_times()[manager.tier_labels[0]]
+            measured.end(manager)
     finally:
         spec.shutdown()
-    raw_after = measure_disk(
-        root / "raw-after", count, chunk, depth=read_depth, direct=direct_write
-    )
-    raw_read = statistics.mean([raw_before.read_gbps, raw_after.read_gbps])
-    raw_write = statistics.mean([raw_before.write_gbps, raw_after.write_gbps])
-    total = count * chunk
     figures = scheduler.figures
-    lags = probe.by_phase.get("store", []) + probe.by_phase.get("load", [])
-    job_bytes = args.job_chunks * chunk
-    promotion_gbps = total / load_s / 1e9
-    store_gbps = total / store_s / 1e9
     return {
-        "promotion_gbps": promotion_gbps,
-        "promotion_ratio": promotion_gbps / raw_read,
-        "store_gbps": store_gbps,
-        "store_ratio": store_gbps / raw_write,
-        "promotion_p50_ms": percentile(job_times, 0.5) * 1e3,
-        "promotion_p99_ms": percentile(job_times, 0.99) * 1e3,
-        "promotion_p50_budget_ms": 1.5 * job_bytes / (raw_read * 1e9) * 1e3,
-        "promotion_p99_budget_ms": 3 * job_bytes / (raw_read * 1e9) * 1e3,
-        "request_wait_p50_ms": percentile(figures.promotion_s, 0.5) * 1e3,
-        "request_wait_p99_ms": percentile(figures.promotion_s, 0.99) * 1e3,
-        "loop_lag_p99_ms": percentile(lags, 0.99) * 1e3,
+        **measured.figures(root, count, chunk, figures.promotion_s),
         "mismatches": figures.mismatches,
-        "raw_read_gbps": raw_read,
-        "raw_write_gbps": raw_write,
-        "raw_read_gbps_before": raw_before.read_gbps,
-        "raw_read_gbps_after": raw_after.read_gbps,
-        "raw_write_gbps_before": raw_before.write_gbps,
-        "raw_write_gbps_after": raw_after.write_gbps,
-        "page_cache": cache_mode,
-        "raw_write_o_direct": direct_write,
-        "loop_lag_p50_ms": percentile(lags, 0.5) * 1e3,
-        "loop_lag_store_p99_ms": percentile(probe.by_phase.get("store", []), 0.99) * 1e3,
-        "loop_lag_load_p99_ms": percentile(probe.by_phase.get("load", []), 0.99) * 1e3,
-        "promotion_jobs": len(job_times),
         "resident_requests": figures.resident_requests,
         "lookup_misses": figures.lookup_misses,
         "copy_failures": figures.copy_failures,
-        "integrity_failures": int(stats["integrity_failures"]),
-        "fs_bytes_read": int(stats["bytes_read"]),
-        "fs_bytes_written": int(stats["bytes_written"]),
-        "store_cpu_s": store_cpu,
-        "load_cpu_s": load_cpu,
         "steps": figures.steps,
-        "steps_per_s": figures.steps / (store_s + load_s),
-        "chunks": count,
-        "chunk_bytes": chunk,
-        "job_chunks": args.job_chunks,
-        "in_flight": args.in_flight,
-        "read_depth": read_depth,
-        "write_depth": write_depth,
-        "device": device,
+        "steps_per_s": figures.steps / sum(measured.seconds.values()),
     }
 
 
@@ -596,53 +410,19 @@ def report(figures: dict[str, Any]) -> None:
         f"fs tier depth {figures['read_depth']} read / {figures['write_depth']} write, "
         f"page cache {figures['page_cache']}, KV tensors on {figures['device']}"
     )
-    print(
-        f"  stores      {figures['store_gbps']:6.2f} GB/s   raw pwritev "
-        f"{figures['raw_write_gbps']:6.2f} GB/s (before {figures['raw_write_gbps_before']:.2f}, "
-        f"after {figures['raw_write_gbps_after']:.2f})   ratio {figures['store_ratio']:.2f}"
-    )
-    print(
-        f"  promotions  {figures['promotion_gbps']:6.2f} GB/s   raw preadv  "
-        f"{figures['raw_read_gbps']:6.2f} GB/s (before {figures['raw_read_gbps_before']:.2f}, "
-        f"after {figures['raw_read_gbps_after']:.2f})   ratio {figures['promotion_ratio']:.2f}"
-    )
-    print(
-        f"  promotion job time p50 {figures['promotion_p50_ms']:.1f} ms (budget "
-        f"{figures['promotion_p50_budget_ms']:.1f}), p99 {figures['promotion_p99_ms']:.1f} ms "
-        f"(budget {figures['promotion_p99_budget_ms']:.1f}) over {figures['promotion_jobs']} "
-        f"jobs; a request's wait for its chunks p50 {figures['request_wait_p50_ms']:.1f} ms, "
-        f"p99 {figures['request_wait_p99_ms']:.1f} ms"
-    )
-    print(
-        f"  loop lag p50 {figures['loop_lag_p50_ms']:.2f} ms, p99 "
-        f"{figures['loop_lag_p99_ms']:.2f} ms; CPU {figures['store_cpu_s']:.1f} s storing, "
-        f"{figures['load_cpu_s']:.1f} s loading"
-    )
+    print_path_summary(figures)
     print(
         f"  scheduler: {figures['lookup_hit_ops_s'] / 1e6:.2f} M lookups/s, "
         f"{figures['store_cycle_ops_s'] / 1e3:.0f} k store cycles/s (a bare locked "
         f"lookup: {figures['lookup_floor_ops_s'] / 1e6:.2f} M/s); "
         f"{figures['mismatches']} mismatched chunks"
     )
-    print(
-        json.dumps(
-            {
-                name: round(value, 4) if isinstance(value, float) else value
-                for name, value in figures.items()
-            }
-        )
-    )
+    print_json(figures)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="kvtier-serving-", dir=args.root))
-    try:
-        figures = run(args, root)
-    except ConfigError as exc:  # a bad --tier-option: say which, without a traceback
-        raise SystemExit(f"serving_path.py: {exc}") from None
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    figures = run_in_scratch(run, args, "serving_path.py")
     rates = measure_scheduler(args.lookups, args.store_cycles, stored=args.stored)
     figures["lookup_hit_ops_s"] = rates["lookups_per_s"]
     figures["store_cycle_ops_s"] = rates["store_cycles_per_s"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,51 +22,30 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.base")
 
 import torch
+from vllm_offline import (
+    FullAttentionSpec,
+    ModelConfig,
+    OffloadingConnector,
+    Request,
+    SamplingParams,
+    begin_step,
+    block_hasher,
+    end_step,
+    engine_config,
+    one_group_kv_cache,
+    scheduler,
+    worker_connector,
+)
+from vllm_offline import model_config as offline_model_config
 
 # One intra-op thread: the KV written per token is tiny, and torch's spinning worker
 # threads would take the small test machine's cores from kvtier's tier threads.
 torch.set_num_threads(1)
 
-# Importing vLLM compiles a few kernels with torch, which warns about its own
-# deprecations; the suite turns warnings into errors, so silence those here only.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVEventsConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-        OffloadingConnector,
-    )
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
-
-MODEL_DIR = Path(__file__).parent / "model"
 TOKENS_PER_BLOCK = 16
 NUM_KV_HEADS = 2
 HEAD_SIZE = 16
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
-SPEC_CONFIG = {
-    "spec_name": "KVTierOffloadingSpec",
-    "spec_module_path": "kvtier.integrations.vllm",
-}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -81,9 +59,7 @@ def model_config() -> ModelConfig:
     # vLLM inspects the architecture in a subprocess once per cache root; nox points
     # VLLM_CACHE_ROOT at a fresh directory, so this is slow only once per session.
     assert os.environ.get("HF_HUB_OFFLINE") == "1", "run through nox -s vllm (offline)"
-    return ModelConfig(
-        model=str(MODEL_DIR), skip_tokenizer_init=True, dtype="float16", max_model_len=2048
-    )
+    return offline_model_config()
 
 
 def token_kv(tokens: list[int], position: int) -> torch.Tensor:
@@ -107,57 +83,28 @@ class Engine:
     ) -> None:
         self.tokens_per_block = TOKENS_PER_BLOCK
         self.engine_id = f"test-vllm-{uuid.uuid4().hex[:10]}"
-        self.config = VllmConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(block_size=TOKENS_PER_BLOCK, enable_prefix_caching=True),
-            device_config=DeviceConfig(device="cpu"),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=8,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=2048,
-                is_encoder_decoder=False,
-            ),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null"),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector",
-                kv_role="kv_both",
-                engine_id=self.engine_id,
-                kv_connector_extra_config={**SPEC_CONFIG, **extra_config},
-            ),
+        self.config = engine_config(
+            model_config,
+            extra_config,
+            engine_id=self.engine_id,
+            block_size=TOKENS_PER_BLOCK,
+            num_blocks=num_blocks,
+            max_num_seqs=8,
+            max_num_batched_tokens=max_num_batched_tokens,
+            events=events,
         )
-        self.config.cache_config.num_gpu_blocks = num_blocks
         attention = FullAttentionSpec(
             block_size=TOKENS_PER_BLOCK,
             num_kv_heads=NUM_KV_HEADS,
             head_size=HEAD_SIZE,
             dtype=torch.float16,
         )
-        page = attention.page_size_bytes
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=page * num_blocks * len(LAYERS),
-                    layers=list(LAYERS),
-                    layer_stride=page * num_blocks,
-                    block_stride=page,
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), attention)],
-        )
-        init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(TOKENS_PER_BLOCK, sha256)
-        self.scheduler = Scheduler(
-            vllm_config=self.config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.config),
-            block_size=TOKENS_PER_BLOCK,
-            log_stats=True,
-        )
+        self.kv_cache_config = one_group_kv_cache(num_blocks, LAYERS, attention)
+        self.hasher = block_hasher(TOKENS_PER_BLOCK)
+        self.scheduler = scheduler(self.config, self.kv_cache_config)
         self.published: list[Any] = []
         if self.scheduler.kv_event_publisher is not None:
             self.scheduler.kv_event_publisher.publish = self.published.append  # type: ignore[method-assign]
-        self.worker = OffloadingConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
         # (num_blocks, K/V, tokens, heads, head size): the first dimension is the block.
         self.caches = {
             name: torch.zeros(
@@ -165,7 +112,7 @@ class Engine:
             )
             for name in LAYERS
         }
-        self.worker.register_kv_caches(self.caches)
+        self.worker = worker_connector(self.config, self.kv_cache_config, self.caches)
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
         #: Tokens each request found computed (GPU prefix cache plus kvtier) when it
@@ -203,11 +150,7 @@ class Engine:
 
     def finish_step(self, out: Any) -> Any:
         """The model runner's half of a step that ``scheduler.schedule()`` began."""
-        meta = out.kv_connector_metadata
-        worker = self.worker
-        worker.bind_connector_metadata(meta)
-        worker.handle_preemptions(meta)
-        worker.start_load_kv(None)  # type: ignore[arg-type]
+        begin_step(self.worker, out)
         self.preempted |= set(out.preempted_req_ids or ())
         sampled: dict[str, list[int]] = {}
         for new in out.scheduled_new_reqs:
@@ -227,21 +170,7 @@ class Engine:
             if start + count >= len(self.tokens[req_id]):
                 token = 3 + (len(self.tokens[req_id]) * 7919 + hash(req_id)) % 1000
                 sampled[req_id] = [token]
-        worker.wait_for_save()
-        finished_sending, finished_recving = worker.get_finished(out.finished_req_ids)
-        worker_meta = worker.build_connector_worker_meta()
-        worker.clear_connector_metadata()
-        req_ids = list(out.num_scheduled_tokens)
-        output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[sampled.get(r, []) for r in req_ids],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=finished_sending or None,
-                finished_recving=finished_recving or None,
-                kv_connector_worker_meta=worker_meta,
-            ),
-        )
+        output = end_step(self.worker, out, sampled)
         engine_outputs = self.scheduler.update_from_output(out, output)
         for outputs in engine_outputs.values():
             stats = outputs.scheduler_stats

@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvtier
 from kvtier.integrations import vllm as integration
@@ -159,6 +160,96 @@ def test_vllms_prometheus_metrics_accept_every_stat(make_engine, tmp_path):
         "kvtier_tiering_write_bytes_total", {"engine": "0", "tier": "1:fs"}
     )
     assert written == 5 * engine.manager.spec.chunk_bytes
+
+
+def _counted(stats, name):
+    """What a vLLM stats payload recorded of ``name``: a counter's sum over its labels,
+    a histogram's number of samples (no payload: 0)."""
+    if stats is None:
+        return 0
+    _, values = stats.metric_sections()
+    return sum(len(v) if isinstance(v, list) else v for v in values.get(name, {}).values())
+
+
+def test_vllms_stats_call_each_step_does_not_flush_kvtiers_counts(engine_id):
+    # vLLM asks for stats on every step; kvtier flushes at most every so often (at the
+    # end of a step, or when its registry is collected). Nothing counted is lost: it
+    # comes with the stats after the next flush.
+    spec = KVTierOffloadingSpec(offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}))
+    manager = spec.get_manager()
+    try:
+        manager.get_stats()
+        ctx = vllm_base.ReqContext("r")
+        out = manager.prepare_store([kvtier.make_offload_key(b"k" * 16)], ctx)
+        manager.complete_store(out.keys_to_store, ctx)
+        assert _counted(manager.get_stats(), "kvtier_cpu_allocation_size") == 0
+        list(manager.kvtier.metrics.registry.collect())
+        assert _counted(manager.get_stats(), "kvtier_cpu_allocation_size") == 1
+    finally:
+        manager.shutdown()
+
+
+def test_vllms_stats_get_every_count_once_the_tiers_fall_idle(engine_id, tmp_path):
+    spec = KVTierOffloadingSpec(
+        offloading_config(
+            engine_id,
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}],
+            },
+        )
+    )
+    manager = spec.get_manager()
+    try:
+        manager.get_stats()
+        ctx = vllm_base.ReqContext("r")
+        keys = [kvtier.make_offload_key(bytes([i]) * 16) for i in range(3)]
+        out = manager.prepare_store(keys, ctx)
+        manager.complete_store(out.keys_to_store, ctx)
+        payloads = [manager.get_stats()]
+        for _ in range(400):
+            if not manager.has_pending_work():
+                break
+            manager.kvtier.wait_for_completions_blocking(0.05)
+            payloads.append(manager.get_stats())
+        assert not manager.has_pending_work()
+        payloads.append(manager.get_stats())
+        written = sum(_counted(stats, "kvtier_tiering_write_bytes") for stats in payloads)
+        assert written == 3 * spec.kvtier_spec.chunk_bytes
+    finally:
+        manager.shutdown()
+
+
+def test_a_load_source_names_the_tier_the_chunk_was_promoted_from(engine_id, tmp_path):
+    fs = {"type": "fs", "root_dir": str(tmp_path)}
+    spec = KVTierOffloadingSpec(
+        offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [fs]})
+    )
+    manager = spec.get_manager()
+    end = vllm_base.ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
+    try:
+        on_disk, in_memory = (kvtier.make_offload_key(bytes([i]) * 16) for i in (1, 2))
+        writer = vllm_base.ReqContext("w")
+        out = manager.prepare_store([on_disk], writer)
+        manager.complete_store(out.keys_to_store, writer)
+        while manager.has_pending_work():
+            manager.kvtier.wait_for_completions_blocking(0.05)
+        manager.reset_cache()
+        manager.on_reset_flushed()
+        out = manager.prepare_store([in_memory], writer)
+        manager.complete_store(out.keys_to_store, writer)
+        reader = vllm_base.ReqContext("r")
+        manager.on_new_request(reader)
+        for _ in range(400):
+            if manager.lookup(on_disk, reader) is vllm_base.LookupResult.HIT:
+                break
+            manager.on_schedule_end(end)
+            manager.kvtier.wait_for_completions_blocking(0.05)
+        assert manager.lookup(in_memory, reader) is vllm_base.LookupResult.HIT
+        assert manager.get_load_source(on_disk, reader) is CacheHitSource.DISK
+        assert manager.get_load_source(in_memory, reader) is CacheHitSource.HOST
+    finally:
+        manager.shutdown()
 
 
 def test_config_info_fills_the_declared_labels(make_engine):

@@ -1,0 +1,668 @@
+"""The serving path through vLLM: its real scheduler and connector driving kvtier's spec.
+
+``benchmarks/serving_path.py``'s workload, run through vLLM 0.33's ``Scheduler`` with the
+``OffloadingConnector`` in both roles and ``KVTierOffloadingSpec`` (loaded through
+``spec_module_path``) with one fs tier, so that set beside ``serving_path.py`` (kvtier
+alone) the difference is what vLLM's connector and kvtier's adapter cost. The model
+runner is this script: it steps the scheduler, runs the worker-role connector over CPU
+KV tensors, and its "forward pass" fills each computed block with a pattern derived
+from the block's hash (two KV tensors of half a chunk each, as in ``serving_path.py``).
+
+1. Raw reference: ``kvtier.bench.physical.measure_disk``, as ``serving_path.py`` takes it.
+2. Stores: ``--gib`` of distinct prompts of ``--job-chunks`` blocks (one block is one
+   chunk) plus a short tail, one new request per step with ``max_tokens=1``; vLLM's
+   connector stores their blocks. A prompt is sent once kvtier's primary tier has room
+   for its chunks (``serving_path.py`` waits at ``prepare_store`` the same way). The
+   clock runs until the scheduler has nothing left (every cascade to the fs tier
+   finished) and ``os.sync()`` returned.
+3. Promotions: vLLM's GPU prefix cache and kvtier's primary tier emptied
+   (``reset_prefix_cache(reset_connector=True)``), the KV tensors zeroed, the page cache
+   dropped; the same prompts sent again in a seeded random order, ``--in-flight`` at once
+   (vLLM's ``max_num_seqs`` too). vLLM looks up every key of every waiting request each
+   step; when a request is first scheduled every block it found computed is compared
+   with the pattern of its hash. A request's wait runs from the first step whose lookups
+   deferred it to the step that started its load.
+4. The raw reference again; the limit is the mean of the two.
+
+Every step is timed (``scheduler.schedule()`` plus ``update_from_output``), and inside it
+the time spent in vLLM's connector, in kvtier's adapter (the spec's manager) and in
+kvtier's manager, by wrapping their methods here. vLLM's engine is built as the vLLM
+tests build theirs (``vllm_offline.py``); it needs vLLM, as ``nox -s vllm`` installs it.
+
+The last line is one JSON object with ``serving_path.py``'s figures by the same names
+(``promotion_gbps``, ``promotion_ratio``, ``promotion_p50_ms`` / ``_p99_ms`` (job times),
+``request_wait_p50_ms`` / ``_p99_ms``, ``loop_lag_p99_ms``, ``mismatches``, ...) and the
+step figures (``step_p50_ms`` / ``step_p99_ms``, ``connector_own_ms_per_step``,
+``adapter_own_ms_per_step``, ``kvtier_own_ms_per_step``, ...).
+
+    .nox/vllm/bin/python benchmarks/vllm_path.py --root /path/on/the/disk/to/measure
+    .nox/vllm/bin/python benchmarks/vllm_path.py --quick     # small sizes; a few seconds
+                                                             # after importing vLLM
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The tiny model config only satisfies ModelConfig; nothing is fetched from a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import common
+import torch
+from vllm_offline import (
+    MAX_MODEL_LEN,
+    FullAttentionSpec,
+    ModelRunnerOutput,
+    OffloadingConnector,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    SchedulerOutput,
+    begin_step,
+    block_hasher,
+    end_step,
+    engine_config,
+    model_config,
+    one_group_kv_cache,
+    scheduler,
+    worker_connector,
+)
+
+TOKENS_PER_BLOCK = 16  # vLLM's default block size
+HEAD_SIZE = 128
+# Two KV tensors of half a chunk each per block, as serving_path.py's worker copies: a
+# 2 MiB block of 16 tokens is a Llama-3-8B's (32 layers x 8 KV heads x 128), folded
+# into two layers of 128 heads.
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+# Tokens after the stored blocks: vLLM computes at least one token of every prompt, and
+# a partial block is never stored.
+TAIL_TOKENS = 2
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = common.workload_parser(__doc__.split("\n\n")[0])
+    args = parser.parse_args(argv)
+    common.check_workload_args(parser, args)
+    chunk = int(args.chunk_mib * common.MIB)
+    per_head = len(LAYERS) * 2 * TOKENS_PER_BLOCK * HEAD_SIZE * 2  # K and V, fp16
+    if chunk % per_head:
+        parser.error(f"--chunk-mib must be a multiple of {per_head} bytes here")
+    args.kv_heads = chunk // per_head
+    if args.job_chunks * TOKENS_PER_BLOCK + TAIL_TOKENS + 1 > MAX_MODEL_LEN:
+        parser.error(
+            f"--job-chunks {args.job_chunks} makes prompts longer than the model's "
+            f"{MAX_MODEL_LEN} tokens"
+        )
+    return args
+
+
+# ------------------------------------------------------------------- timing calls
+
+
+class CallClock:
+    """Seconds spent inside some objects' methods since the last :meth:`take`.
+
+    A call made from inside another timed call of the same clock counts once.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        #: Seconds by method name, over a whole phase (``Engine.start_phase`` resets them).
+        self.by_name: dict[str, float] = {}
+        self._depth = 0
+
+    def wrap(self, obj: Any, names: Sequence[str]) -> None:
+        for name in names:
+            method = getattr(obj, name, None)
+            if method is not None:
+                setattr(obj, name, self._timed(name, method))
+
+    def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.perf_counter
+        by_name = self.by_name
+        by_name[name] = 0.0
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return method(*args, **kwargs)
+            self._depth = 1
+            started = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                took = clock() - started
+                self.seconds += took
+                by_name[name] += took
+                self.calls += 1
+                self._depth = 0
+
+        return timed
+
+    def take(self) -> tuple[float, int]:
+        """Seconds and calls since the last call."""
+        taken = self.seconds, self.calls
+        self.seconds, self.calls = 0.0, 0
+        return taken
+
+
+def wrapper_cost_s(calls: int = 200_000) -> float:
+    """What one timed call adds, measured on a method that does nothing."""
+
+    class Idle:
+        def call(self) -> None:
+            pass
+
+    idle = Idle()
+    plain = idle.call
+    started = time.perf_counter()
+    for _ in range(calls):
+        plain()
+    bare = time.perf_counter() - started
+    CallClock().wrap(idle, ["call"])
+    timed = idle.call
+    started = time.perf_counter()
+    for _ in range(calls):
+        timed()
+    return max(0.0, time.perf_counter() - started - bare) / calls
+
+
+#: The scheduler-role connector's methods vLLM's scheduler calls.
+CONNECTOR_METHODS = (
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "get_external_cache_hit_sources",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "has_pending_push_work",
+    "take_events",
+    "get_kv_connector_stats",
+)
+#: The manager interface vLLM's connector calls: on the adapter, and the same names on
+#: kvtier's manager behind it.
+MANAGER_METHODS = (
+    "lookup",
+    "get_load_source",
+    "prepare_load",
+    "touch",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "on_new_request",
+    "on_request_finished",
+    "on_schedule_end",
+    "has_pending_work",
+    "take_events",
+    "get_stats",
+    "config_info",
+    "reset_cache",
+    "on_reset_flushed",
+)
+
+
+#: The layers timed inside a step, outermost first: vLLM's connector (which calls the
+#: adapter), kvtier's adapter (which calls kvtier's manager), kvtier's manager.
+LAYERS_TIMED = ("connector", "adapter", "kvtier")
+
+
+@dataclass
+class StepTimes:
+    """Per step of one phase: vLLM's scheduler, and the time of each layer inside it."""
+
+    step_s: list[float] = field(default_factory=list)
+    layer_s: dict[str, list[float]] = field(
+        default_factory=lambda: {layer: [] for layer in LAYERS_TIMED}
+    )
+    #: Timed calls per layer over the phase: each adds the timing's own cost to the
+    #: layer above it.
+    layer_calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LAYERS_TIMED, 0))
+    #: The model runner's half of each step: the worker connector and the "forward".
+    runner_s: list[float] = field(default_factory=list)
+    #: Waiting for a tier completion after steps in which nothing moved.
+    idle_s: float = 0.0
+
+
+# --------------------------------------------------------------------- the engine
+
+
+class Engine:
+    """vLLM's scheduler plus a worker-role connector over CPU KV tensors, stepped by hand."""
+
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        tier = {
+            "type": "fs",
+            "root_dir": str(root / "tier"),
+            **common.tier_options(args.tier_option),
+        }
+        prompt_tokens = args.job_chunks * TOKENS_PER_BLOCK + TAIL_TOKENS
+        # Every request in flight holds its blocks and one for its tail; two more
+        # requests' worth keeps stores from recycling blocks still being copied.
+        self.num_blocks = (args.in_flight + 2) * (args.job_chunks + 1) + 1
+        self.config = engine_config(
+            model_config(),
+            {"cpu_bytes_to_use": int(args.primary_gib * common.GIB), "secondary_tiers": [tier]},
+            engine_id=f"bench-vllm-{uuid.uuid4().hex[:8]}",
+            block_size=TOKENS_PER_BLOCK,
+            num_blocks=self.num_blocks,
+            max_num_seqs=args.in_flight,
+            max_num_batched_tokens=max(MAX_MODEL_LEN, args.in_flight * prompt_tokens),
+        )
+        attention = FullAttentionSpec(
+            block_size=TOKENS_PER_BLOCK,
+            num_kv_heads=args.kv_heads,
+            head_size=HEAD_SIZE,
+            dtype=torch.float16,
+        )
+        kv_cache = one_group_kv_cache(self.num_blocks, LAYERS, attention)
+        self.hasher = block_hasher(TOKENS_PER_BLOCK)
+        self.scheduler = scheduler(self.config, kv_cache)
+        self.caches = {
+            name: torch.zeros(
+                (self.num_blocks, 2, TOKENS_PER_BLOCK, args.kv_heads, HEAD_SIZE),
+                dtype=torch.float16,
+            )
+            for name in LAYERS
+        }
+        try:
+            self.worker = worker_connector(self.config, kv_cache, self.caches)
+        except BaseException:
+            self.scheduler.shutdown()
+            raise
+        self.patterns = common.Patterns(
+            [cache.view(self.num_blocks, -1).view(torch.int64) for cache in self.caches.values()],
+            args.seed,
+        )
+        connector = self.scheduler.connector
+        assert isinstance(connector, OffloadingConnector)
+        assert connector.connector_scheduler is not None
+        self.adapter: Any = connector.connector_scheduler.manager
+        self.kvtier = self.adapter.kvtier
+        self.clocks = {layer: CallClock() for layer in LAYERS_TIMED}
+        self.clocks["connector"].wrap(connector, CONNECTOR_METHODS)
+        self.clocks["adapter"].wrap(self.adapter, MANAGER_METHODS)
+        self.clocks["kvtier"].wrap(self.kvtier, MANAGER_METHODS)
+        self.times: dict[str, StepTimes] = {}
+        self.phase = "store"
+        self.blocks: dict[str, list[int]] = {}
+        #: Blocks each request found computed when first scheduled, all verified.
+        self.loaded: dict[str, int] = {}
+        self.mismatches = 0
+        self.steps = 0
+
+    def start_phase(self, phase: str) -> None:
+        """Time the steps from now on as ``phase``; the by-method times start again."""
+        self.phase = phase
+        for clock in self.clocks.values():
+            for name in clock.by_name:
+                clock.by_name[name] = 0.0
+
+    def by_method(self, layer: str) -> dict[str, float]:
+        """Milliseconds per step of this phase in each method of ``layer``, largest first."""
+        steps = max(1, len(self.times.get(self.phase, StepTimes()).step_s))
+        times = self.clocks[layer].by_name
+        return {
+            name: seconds / steps * 1e3
+            for name, seconds in sorted(times.items(), key=lambda item: -item[1])
+            if seconds
+        }
+
+    def add(self, req_id: str, tokens: list[int]) -> None:
+        self.scheduler.add_request(
+            Request(
+                request_id=req_id,
+                prompt_token_ids=tokens,
+                sampling_params=SamplingParams(max_tokens=1, ignore_eos=True),
+                pooling_params=None,
+                block_hasher=self.hasher,
+            )
+        )
+
+    def step(self) -> tuple[SchedulerOutput, list[str], bool]:
+        """One engine step: the output, the requests it finished, whether anything moved."""
+        for clock in self.clocks.values():
+            clock.take()  # calls between steps (add_request, has_requests) are not a step's
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        scheduled = time.perf_counter() - started
+        runner_output = self.run_model(out)
+        ran = time.perf_counter()
+        engine_outputs = self.scheduler.update_from_output(out, runner_output)
+        times = self.times.setdefault(self.phase, StepTimes())
+        times.step_s.append(scheduled + time.perf_counter() - ran)
+        times.runner_s.append(ran - started - scheduled)
+        for layer, clock in self.clocks.items():
+            seconds, calls = clock.take()
+            times.layer_s[layer].append(seconds)
+            times.layer_calls[layer] += calls
+        self.steps += 1
+        finished = [
+            output.request_id
+            for outputs in engine_outputs.values()
+            for output in outputs.outputs
+            if output.finished
+        ]
+        meta: Any = out.kv_connector_metadata
+        kv_output = runner_output.kv_connector_output
+        moved = bool(
+            out.total_num_scheduled_tokens
+            or finished
+            or (meta is not None and (meta.load_jobs or meta.store_jobs))
+            or (
+                kv_output is not None and (kv_output.finished_recving or kv_output.finished_sending)
+            )
+        )
+        return out, finished, moved
+
+    def run_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """The model runner's half of a step: connector hooks around a cheap forward pass."""
+        begin_step(self.worker, out)
+        if out.preempted_req_ids or out.scheduled_cached_reqs.resumed_req_ids:
+            raise RuntimeError(
+                "a request was preempted: the benchmark sizes vLLM's blocks so none is"
+            )
+        requests = self.scheduler.requests
+        # Where each request's tokens of this step start: schedule() has already
+        # advanced the requests' own counts past them.
+        starts: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.verify(requests[new.req_id], new.num_computed_tokens)
+            starts[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids:
+                self.blocks[req_id].extend(new_ids[0])
+            starts[req_id] = cached.num_computed_tokens[i]
+        sampled: dict[str, list[int]] = {}
+        for req_id, count in out.num_scheduled_tokens.items():
+            request = requests[req_id]
+            start = starts[req_id]
+            self.compute(request, start, start + count)
+            if start + count >= request.num_tokens:
+                sampled[req_id] = [7]
+        return end_step(self.worker, out, sampled)
+
+    def compute(self, request: Request, start: int, end: int) -> None:
+        """Fill each block this step completes with the pattern of its hash."""
+        first = start // TOKENS_PER_BLOCK
+        done = min(end // TOKENS_PER_BLOCK, len(request.block_hashes))
+        if done > first:
+            blocks = self.blocks[request.request_id]
+            self.patterns.write(request.block_hashes[first:done], blocks[first:done])
+
+    def verify(self, request: Request, num_computed: int) -> None:
+        """Every block the request found computed holds exactly its hash's pattern."""
+        count = num_computed // TOKENS_PER_BLOCK
+        blocks = self.blocks[request.request_id]
+        self.mismatches += self.patterns.wrong(request.block_hashes[:count], blocks[:count])
+        self.loaded[request.request_id] = count
+
+    def wipe(self) -> None:
+        """Empty vLLM's GPU prefix cache and kvtier's primary tier, and zero the KV tensors."""
+        if not self.scheduler.reset_prefix_cache(reset_connector=True):
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+        for tensor in self.caches.values():
+            tensor.zero_()
+
+    def has_room(self, chunks: int) -> bool:
+        """Whether kvtier's primary tier can take ``chunks`` new chunks without refusing."""
+        primary = self.kvtier.primary
+        with self.kvtier.lock:
+            return bool(primary.num_free + primary.num_evictable >= chunks)
+
+    def idle(self, seconds: float) -> None:
+        started = time.perf_counter()
+        self.kvtier.wait_for_completions_blocking(seconds)
+        self.times.setdefault(self.phase, StepTimes()).idle_s += time.perf_counter() - started
+
+    def close(self) -> None:
+        try:
+            self.worker.shutdown()
+        finally:
+            self.scheduler.shutdown()
+
+
+# ------------------------------------------------------------------------ phases
+
+
+@dataclass
+class LoadFigures:
+    waits: list[float] = field(default_factory=list)
+    resident_requests: int = 0
+    recomputed_blocks: int = 0
+
+
+def prompts(seed: int, count: int, job_chunks: int) -> list[list[int]]:
+    """``count`` distinct prompts of ``job_chunks`` full blocks and a short tail."""
+    rng = random.Random(seed)
+    length = job_chunks * TOKENS_PER_BLOCK + TAIL_TOKENS
+    return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(count)]
+
+
+def store_all(engine: Engine, texts: Sequence[list[int]], job_chunks: int, idle_s: float) -> float:
+    """Seconds to store ``texts``, one new request a step, and cascade them to disk.
+
+    vLLM looks every new prompt up first, and kvtier answers RETRY until its fs tier
+    said MISS: requests wait a few steps, then go in together. A prompt is sent only
+    when the primary tier has room for it and for every prompt still waiting.
+    """
+    started = time.perf_counter()
+    scheduler = engine.scheduler
+    requests = scheduler.requests
+    sent = 0
+    unscheduled: list[str] = []
+    while sent < len(texts) or scheduler.has_requests():
+        unscheduled = [
+            req_id
+            for req_id in unscheduled
+            if req_id in requests and requests[req_id].status is RequestStatus.WAITING
+        ]
+        added = sent < len(texts) and engine.has_room((len(unscheduled) + 1) * job_chunks)
+        if added:
+            req_id = f"store-{sent}"
+            engine.add(req_id, texts[sent])
+            unscheduled.append(req_id)
+            sent += 1
+        _, _, moved = engine.step()
+        if not (moved or added):
+            engine.idle(idle_s)
+    os.sync()
+    return time.perf_counter() - started
+
+
+def load_all(
+    engine: Engine,
+    texts: Sequence[tuple[int, list[int]]],
+    job_chunks: int,
+    in_flight: int,
+    timeout_s: float,
+    idle_s: float,
+) -> LoadFigures:
+    """Send ``texts`` again, ``in_flight`` at once, until each is answered."""
+    figures = LoadFigures()
+    requests = engine.scheduler.requests
+    pending = list(reversed(texts))
+    admitted: dict[str, float] = {}
+    #: The first step whose lookups deferred a request; gone once its load started.
+    deferred: dict[str, float] = {}
+    loading: set[str] = set()
+    while pending or admitted:
+        while pending and len(admitted) < in_flight:
+            index, tokens = pending.pop()
+            req_id = f"load-{index}"
+            engine.add(req_id, tokens)
+            admitted[req_id] = time.perf_counter()
+        step_started = time.perf_counter()
+        _, finished, moved = engine.step()
+        for req_id in finished:
+            del admitted[req_id]
+            loading.discard(req_id)
+        for req_id, since in admitted.items():
+            if req_id in loading:
+                continue
+            if requests[req_id].status is RequestStatus.WAITING:
+                deferred.setdefault(req_id, step_started)
+                if step_started - since > timeout_s:
+                    raise RuntimeError(
+                        f"request {req_id} still waits for its chunks after {timeout_s:g} s"
+                    )
+                continue
+            loading.add(req_id)
+            if req_id in deferred:
+                figures.waits.append(step_started - deferred.pop(req_id))
+            else:  # every chunk was readable at its first lookup
+                figures.resident_requests += 1
+        if not moved:
+            engine.idle(idle_s)
+    figures.recomputed_blocks = sum(
+        job_chunks - count for req_id, count in engine.loaded.items() if req_id.startswith("load-")
+    )
+    return figures
+
+
+# ----------------------------------------------------------------------- the run
+
+
+def step_figures(times: dict[str, StepTimes], wrapper_s: float) -> dict[str, Any]:
+    """Step time percentiles and each layer's time inside the steps, per phase.
+
+    ``<layer>_ms_per_step`` is the time inside a layer's methods, the layers below it
+    included; ``<layer>_own_ms_per_step`` leaves out the layer below and the cost of
+    timing it, so the connector's, the adapter's and kvtier's own times add up.
+    """
+    out: dict[str, Any] = {}
+    for phase, phase_times in times.items():
+        steps = max(1, len(phase_times.step_s))
+        total = sum(phase_times.step_s)
+        prefix = "" if phase == "load" else f"{phase}_"
+        out |= {
+            f"{prefix}steps": len(phase_times.step_s),
+            f"{prefix}step_p50_ms": common.percentile(phase_times.step_s, 0.5) * 1e3,
+            f"{prefix}step_p99_ms": common.percentile(phase_times.step_s, 0.99) * 1e3,
+            f"{prefix}step_ms_mean": total / steps * 1e3,
+        }
+        below = dict(zip(LAYERS_TIMED, [*LAYERS_TIMED[1:], None], strict=True))
+        for layer, seconds in phase_times.layer_s.items():
+            inner = below[layer]
+            own = sum(seconds)
+            if inner is not None:
+                own -= sum(phase_times.layer_s[inner])
+                own -= phase_times.layer_calls[inner] * wrapper_s
+            out |= {
+                f"{prefix}{layer}_ms_per_step": sum(seconds) / steps * 1e3,
+                f"{prefix}{layer}_p99_ms": common.percentile(seconds, 0.99) * 1e3,
+                f"{prefix}{layer}_own_ms_per_step": own / steps * 1e3,
+                f"{prefix}{layer}_own_share": own / total if total else 0.0,
+                f"{prefix}{layer}_calls": phase_times.layer_calls[layer],
+                # Steps differ in how much they do (how many requests wait, how many
+                # finish); a layer's own time per call of it compares across runs.
+                f"{prefix}{layer}_own_us_per_call": own
+                / max(1, phase_times.layer_calls[layer])
+                * 1e6,
+            }
+        out |= {
+            f"{prefix}scheduler_s": total,
+            f"{prefix}model_runner_s": sum(phase_times.runner_s),
+            f"{prefix}idle_s": phase_times.idle_s,
+        }
+    out["timing_overhead_us_per_call"] = wrapper_s * 1e6
+    return out
+
+
+def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    chunk = int(args.chunk_mib * common.MIB)
+    count = max(1, int(args.gib * common.GIB) // chunk // args.job_chunks)
+    chunks = count * args.job_chunks
+    cache_mode = "dropped" if args.page_cache == "drop" and common.drop_caches() else "o_direct"
+    engine = Engine(args, root)
+    try:
+        fs = common.FsTierShape(engine.kvtier)
+        chunk = engine.adapter.spec.chunk_bytes
+        measured = common.PathRun(args, fs, cache_mode, "cpu")
+        measured.begin(engine.kvtier, root, chunks, chunk)
+        texts = prompts(args.seed, count, args.job_chunks)
+        idle_s = args.idle_ms / 1e3
+        try:
+            measured.phase("store", store_all, engine, texts, args.job_chunks, idle_s)
+            engine.wipe()
+            common.make_reads_cold(cache_mode, root / "tier")
+            order = list(enumerate(texts))
+            random.Random(args.seed).shuffle(order)
+            engine.start_phase("load")
+            loads = measured.phase(
+                "load",
+                load_all,
+                engine,
+                order,
+                args.job_chunks,
+                args.in_flight,
+                args.timeout_s,
+                idle_s,
+            )
+        finally:
+            measured.end(engine.kvtier)
+        methods = {
+            f"{layer}_ms_per_step_by_method": engine.by_method(layer) for layer in LAYERS_TIMED
+        }
+    finally:
+        engine.close()
+    return {
+        **measured.figures(root, chunks, chunk, loads.waits),
+        "mismatches": engine.mismatches,
+        "recomputed_blocks": loads.recomputed_blocks,
+        "resident_requests": loads.resident_requests,
+        **step_figures(engine.times, wrapper_cost_s()),
+        **methods,
+        "kv_heads": args.kv_heads,
+        "gpu_blocks": engine.num_blocks,
+    }
+
+
+def report(figures: dict[str, Any]) -> None:
+    total = figures["chunks"] * figures["chunk_bytes"] / common.GIB
+    print(
+        f"vLLM path: {total:.2f} GiB of {figures['chunk_bytes'] / common.MIB:g} MiB blocks in "
+        f"{figures['job_chunks']}-block prompts, {figures['in_flight']} requests in flight, "
+        f"fs tier depth {figures['read_depth']} read / {figures['write_depth']} write, "
+        f"page cache {figures['page_cache']}, KV tensors on {figures['device']}"
+    )
+    common.print_path_summary(figures)
+    print(
+        f"  vLLM steps while loading: {figures['steps']}, p50 {figures['step_p50_ms']:.2f} ms, "
+        f"p99 {figures['step_p99_ms']:.2f} ms, mean {figures['step_ms_mean']:.2f} ms; own time "
+        f"per step: vLLM's connector {figures['connector_own_ms_per_step']:.3f} ms, kvtier's "
+        f"adapter {figures['adapter_own_ms_per_step']:.3f} ms, kvtier "
+        f"{figures['kvtier_own_ms_per_step']:.3f} ms (timing adds "
+        f"{figures['timing_overhead_us_per_call']:.2f} us per call, left out)"
+    )
+    print(
+        f"  loading: {figures['scheduler_s']:.2f} s in vLLM's scheduler, "
+        f"{figures['model_runner_s']:.2f} s in the model runner (worker connector, block "
+        f"checks), {figures['idle_s']:.2f} s waiting for tiers"
+    )
+    print(
+        f"  {figures['mismatches']} mismatched blocks, {figures['recomputed_blocks']} "
+        f"recomputed; CPU {figures['cpu_s_per_gib']:.2f} s per GiB"
+    )
+    common.print_json(figures)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    report(common.run_in_scratch(run, parse_args(argv), "vllm_path.py"))
+
+
+if __name__ == "__main__":
+    main()
