@@ -115,9 +115,6 @@ TOTALS = (
 def tier_totals(metrics: MetricsRecorder, labels: list[str]) -> dict[str, dict[str, float]]:
     """Cumulative counts per tier label, as flushed so far."""
     return {
-        label: {
-            name: metrics.total(metric, (label,))
-            for name, metric in TOTALS
-        }
+        label: {name: metrics.total(metric, (label,)) for name, metric in TOTALS}
         for label in labels
     }
