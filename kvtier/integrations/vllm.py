@@ -10,9 +10,10 @@ Name it in ``--kv-transfer-config``::
          "secondary_tiers": [{"type": "fs", "root_dir": "/var/cache/kvtier"}]}}
 
 vLLM's connector then drives kvtier's manager from its scheduler and kvtier's worker
-from each GPU worker. This module is the only one in kvtier that imports vLLM: it
-translates at the boundary (vLLM's lookup results, load/store specs, events, metric
-definitions and stats) and keeps kvtier itself free of vLLM.
+from each GPU worker. This module and :mod:`kvtier.integrations.vllm_stats` (metric
+definitions and stats) are the only ones in kvtier that import vLLM: they translate at
+the boundary (vLLM's lookup results, load/store specs, events, metrics) and keep kvtier
+itself free of vLLM.
 
 What vLLM does differently from a kvtier host, and how the adapter answers it:
 
@@ -33,7 +34,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -44,8 +44,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 import kvtier
 from kvtier.config import OffloadingConfig
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm_stats import StatsRecorder, vllm_metric_definitions
 from kvtier.keys import OffloadKey
-from kvtier.metrics import CounterDef, GaugeDef, HistogramDef, MetricDefinition, MetricsRecorder
+from kvtier.metrics import MetricsRecorder
 from kvtier.records import LookupResult, Medium, OffloadingEvent, ReqContext, ScheduleEndContext
 from kvtier.specs.cpu import CPUOffloadingSpec
 from kvtier.specs.tiering import TieringOffloadingSpec
@@ -156,101 +157,14 @@ def _kvtier_spec_class(extra_config: Mapping[str, Any]) -> type[CPUOffloadingSpe
     return _CPUSpec
 
 
-def vllm_metric_definitions(
-    definitions: Mapping[str, MetricDefinition],
-) -> dict[str, vllm_base.OffloadingMetricMetadata]:
-    """kvtier's metric definitions as vLLM's metadata records, by the same names."""
-    out: dict[str, vllm_base.OffloadingMetricMetadata] = {}
-    for name, definition in definitions.items():
-        if isinstance(definition, HistogramDef):
-            out[name] = vllm_base.OffloadingHistogramMetadata(
-                documentation=definition.documentation,
-                labelnames=definition.labelnames,
-                buckets=definition.buckets,
-            )
-        elif isinstance(definition, GaugeDef):
-            out[name] = vllm_base.OffloadingGaugeMetadata(
-                documentation=definition.documentation, labelnames=definition.labelnames
-            )
-        elif isinstance(definition, CounterDef):
-            out[name] = vllm_base.OffloadingCounterMetadata(
-                documentation=definition.documentation, labelnames=definition.labelnames
-            )
-        else:
-            raise TypeError(f"metric {name!r} has an unknown definition type {definition!r}")
-    return out
-
-
-class _StatsRecorder(MetricsRecorder):
-    """kvtier's metrics, also collected as vLLM stats until :meth:`take`.
-
-    vLLM wants what changed since its last ``get_stats()`` call, histogram samples
-    included, which a Prometheus registry no longer holds; so each recording is also
-    added to a pending payload. Tiers record from the tier loop's thread, the manager
-    from the scheduler's: a lock keeps the payload whole.
-    """
-
-    def __init__(
-        self,
-        definitions: Mapping[str, MetricDefinition],
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        super().__init__(definitions, registry)
-        self._stats_lock = threading.Lock()
-        self._stats = OffloadingConnectorStats()
-
-    def inc(self, name: str, amount: float = 1.0, labels: tuple[str, ...] = ()) -> None:
-        super().inc(name, amount, labels)
-        if amount and name in self.definitions:
-            with self._stats_lock:
-                self._stats.increase_counter(name, amount, tuple(labels))
-
-    def set(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
-        super().set(name, value, labels)
-        if name in self.definitions:
-            with self._stats_lock:
-                self._stats.set_gauge(name, value, tuple(labels))
-
-    def observe(self, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
-        super().observe(name, value, labels)
-        if name in self.definitions:
-            with self._stats_lock:
-                self._stats.observe_histogram(name, value, tuple(labels))
-
-    def observe_many(
-        self, name: str, values: Iterable[float], labels: tuple[str, ...] = ()
-    ) -> None:
-        values = list(values)
-        super().observe_many(name, values, labels)
-        if name in self.definitions and values:
-            with self._stats_lock:
-                for value in values:
-                    self._stats.observe_histogram(name, value, tuple(labels))
-
-    def take(self, *, pull: bool) -> OffloadingConnectorStats | None:
-        """What was recorded since the last call; None if nothing was.
-
-        With ``pull``, what the manager counted since its last flush is flushed first.
-        """
-        if pull:
-            self.pull()
-        with self._stats_lock:
-            stats, self._stats = self._stats, OffloadingConnectorStats()
-        return None if stats.is_empty() else stats
-
-
 class _CPUSpec(CPUOffloadingSpec):
     def new_metrics(self) -> MetricsRecorder:
-        return _StatsRecorder(
-            self.build_metric_definitions(self.config.extra_config), self.registry
-        )
+        return StatsRecorder(self.build_metric_definitions(self.config.extra_config), self.registry)
 
 
 class _TieringSpec(TieringOffloadingSpec):
     def new_metrics(self) -> MetricsRecorder:
-        return _StatsRecorder(
-            self.build_metric_definitions(self.config.extra_config), self.registry
-        )
+        return StatsRecorder(self.build_metric_definitions(self.config.extra_config), self.registry)
 
 
 @dataclass(frozen=True)
@@ -345,7 +259,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         self.spec = spec
         self.kvtier: TieringOffloadingManager = spec.get_manager()
         metrics = self.kvtier.metrics
-        self._stats = metrics if isinstance(metrics, _StatsRecorder) else None
+        self._stats = metrics if isinstance(metrics, StatsRecorder) else None
         # The adapter's own state only: kvtier's manager takes its lock in every call,
         # and its tier loop never evicts, so a HIT stays readable until prepare_load.
         self._lock = threading.RLock()
