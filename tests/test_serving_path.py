@@ -27,15 +27,19 @@ REQUIRED = {
 }
 
 
-@pytest.mark.slow
-def test_a_quick_serving_path_run_reports_every_figure_and_no_mismatch(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--root", str(tmp_path)],
+def run_script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=timeout,
         check=False,
     )
+
+
+@pytest.mark.slow
+def test_a_quick_serving_path_run_reports_every_figure_and_no_mismatch(tmp_path):
+    done = run_script("--quick", "--root", str(tmp_path), timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert REQUIRED - figures.keys() == set()
@@ -47,25 +51,13 @@ def test_a_quick_serving_path_run_reports_every_figure_and_no_mismatch(tmp_path)
 
 
 def test_bad_sizes_are_refused_with_the_flag_named():
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--in-flight", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_script("--in-flight", "0")
     assert done.returncode == 2
     assert "--in-flight must be at least 1" in done.stderr
 
 
 def test_an_unknown_tier_option_is_named_without_a_traceback(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--root", str(tmp_path), "--tier-option", "x=1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_script("--quick", "--root", str(tmp_path), "--tier-option", "x=1")
     assert done.returncode == 1
     assert "secondary_tiers[0].x: unknown setting" in done.stderr
     assert "Traceback" not in done.stderr
