@@ -219,14 +219,19 @@ class OffloadingWorker(AsyncResource):
     ) -> None:
         if self._closed:
             raise KVTierError("the worker is closed")
-        gpu_ids, slots = self._check_ids(direction, gpu_block_ids, chunk_ids, skip_blocks)
-        nbytes = gpu_ids.numel() * (self.layout.column_bytes // self.layout.blocks_per_chunk)
+        gpu_ids, slots, gpu_values, slot_values = self._check_ids(
+            direction, gpu_block_ids, chunk_ids, skip_blocks
+        )
+        nbytes = len(gpu_values) * (self.layout.column_bytes // self.layout.blocks_per_chunk)
         started = time.perf_counter()
         if nbytes == 0:
             report(TransferResult(job_id, True, 0, 0.0))
             return
         try:
-            gpu_ids, slots = self._copy_partial_chunks(direction, gpu_ids, slots, skip_blocks)
+            if skip_blocks:
+                gpu_ids, slots = self._copy_partial_chunks(
+                    direction, gpu_ids, slots, gpu_values, slot_values, skip_blocks
+                )
             if not slots.numel():
                 event = COMPLETED
             elif direction == STORE:
@@ -273,7 +278,12 @@ class OffloadingWorker(AsyncResource):
 
     def _check_ids(
         self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds, skip_blocks: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """The ids as tensors for the engine and as Python ints, checked.
+
+        A job without ``skip_blocks`` covers whole chunks; one with it starts that many
+        blocks into its first chunk and may end inside its last.
+        """
         # The checks read the ids as Python ints: they run on the event loop, and each
         # torch operation there would let the interpreter lock go to a busy copy or I/O
         # thread, costing the loop up to a switch interval (5 ms) to get it back.
@@ -305,28 +315,31 @@ class OffloadingWorker(AsyncResource):
         )
         if len(set(written)) != len(written):
             raise ValueError(f"{name} of a {direction} must not repeat an id")
-        return gpu_ids, slots
+        return gpu_ids, slots, gpu_values, slot_values
 
     def _copy_partial_chunks(
-        self, direction: str, gpu_ids: torch.Tensor, slots: torch.Tensor, skip_blocks: int
+        self,
+        direction: str,
+        gpu_ids: torch.Tensor,
+        slots: torch.Tensor,
+        gpu_values: list[int],
+        slot_values: list[int],
+        skip_blocks: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the blocks of chunks the job covers only in part; the whole chunks left.
+        """Copy the blocks of chunks a job starting ``skip_blocks`` into its first chunk
+        covers only in part; the whole chunks left.
 
-        At most the first and the last chunk of a job are partial, so these few
-        blocks are copied one by one and synchronously, and the engine (whose copies
-        move whole chunks) gets the rest.
+        Only the first chunk and the last can be partial, so these few blocks are
+        copied one by one and synchronously, and the engine (whose copies move whole
+        chunks) gets the rest.
         """
         bpc = self.layout.blocks_per_chunk
-        count = gpu_ids.numel()
-        if skip_blocks == 0 and count == slots.numel() * bpc:
-            return gpu_ids, slots
-        end = skip_blocks + count
-        first_whole = 0 if skip_blocks == 0 else 1
-        last_whole = end // bpc  # chunks [first_whole, last_whole) are covered whole
+        end = skip_blocks + len(gpu_values)
+        last_whole = end // bpc  # chunks [1, last_whole) are covered whole
         partial = [
-            (int(slots[position // bpc]), position % bpc, int(gpu_ids[position - skip_blocks]))
+            (slot_values[position // bpc], position % bpc, gpu_values[position - skip_blocks])
             for position in range(skip_blocks, end)
-            if not first_whole <= position // bpc < last_whole
+            if not 1 <= position // bpc < last_whole
         ]
         for part in self.layout.slices:
             for slot, offset, block in partial:
@@ -334,11 +347,10 @@ class OffloadingWorker(AsyncResource):
                     part.region_view[slot, offset].copy_(part.blocks[block])
                 else:
                     part.blocks[block].copy_(part.region_view[slot, offset])
-        if last_whole <= first_whole:
+        if last_whole <= 1:
             return gpu_ids[:0], slots[:0]
-        start = first_whole * bpc - skip_blocks
-        whole_ids = gpu_ids[start : start + (last_whole - first_whole) * bpc]
-        return whole_ids, slots[first_whole:last_whole]
+        start = bpc - skip_blocks
+        return gpu_ids[start : start + (last_whole - 1) * bpc], slots[1:last_whole]
 
 
 def _as_ids(name: str, ids: BlockIds) -> tuple[torch.Tensor, list[int]]:
