@@ -18,6 +18,7 @@ from kvtier.tiering.manager import TieringOffloadingManager, TierOptions
 from kvtier.tiering.runner import RunnerSettings
 from kvtier.tiers.base import PrimaryAccess, SecondaryTier, TierContext
 from kvtier.tiers.factory import SecondaryTierFactory
+from kvtier.tiers.fs import DEFAULT_READ_DEPTH
 
 __all__ = ["TieringOffloadingSpec"]
 
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 # read at 1.07 of raw with job times p50 43 ms, two at a time at 0.85 with p50 85 ms);
 # short jobs still run several at once. Remote tiers wait on round trips rather than a
 # device: they run as many jobs as max_concurrent_jobs allows.
-LOCAL_PROMOTION_CHUNKS = 8
+LOCAL_PROMOTION_CHUNKS = 2 * DEFAULT_READ_DEPTH
 
 
 class TieringOffloadingSpec(CPUOffloadingSpec):
@@ -64,7 +65,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         self.tier_classes: list[type[SecondaryTier]] = []
         self.tier_options: list[TierOptions] = []
         for i, tier_config in enumerate(self.tier_configs):
-            path = f"secondary_tiers[{i}]"
+            path = self.tier_config_path(i)
             tier_class = SecondaryTierFactory.check_tier(tier_config, path)
             self.tier_classes.append(tier_class)
             self.tier_options.append(
@@ -85,7 +86,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         if not isinstance(tiers, list):
             raise ConfigError("secondary_tiers", "expected a list of tier mappings")
         for i, tier_config in enumerate(tiers):
-            tier_class = SecondaryTierFactory.get_tier_class(tier_config, f"secondary_tiers[{i}]")
+            tier_class = SecondaryTierFactory.get_tier_class(tier_config, cls.tier_config_path(i))
             definitions.update(tier_class.build_metric_definitions(tier_config))
         return definitions
 
@@ -137,17 +138,25 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         self._manager = manager
         return manager
 
+    def tier_label(self, index: int) -> str:
+        """The label of tier ``index`` in metrics, logs and events: ``1:fs``, ``2:s3``..."""
+        tier_config = self.tier_configs[index]
+        return f"{index + 1}:{tier_config.get('name') or tier_config['type']}"
+
+    @staticmethod
+    def tier_config_path(index: int) -> str:
+        """Where tier ``index``'s settings sit in extra_config, for error messages."""
+        return f"secondary_tiers[{index}]"
+
     def _tier_context(
         self, index: int, region: SharedOffloadRegion, metrics: MetricsRecorder
     ) -> TierContext:
-        tier_config = self.tier_configs[index]
-        name = tier_config.get("name") or tier_config["type"]
         return TierContext(
             primary_view=region.primary_view,
             chunk_bytes=self.chunk_bytes,
             namespace=self.namespace,
-            tier_name=f"{index + 1}:{name}",
-            config_path=f"secondary_tiers[{index}]",
+            tier_name=self.tier_label(index),
+            config_path=self.tier_config_path(index),
             model_name=self.config.model_name,
             metrics=metrics,
             primary=PrimaryAccess(region.primary_view),

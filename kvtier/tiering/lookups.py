@@ -127,14 +127,12 @@ class TierState:
             self.ready.clear()
             return taken
         taken = []
-        in_flight = self.write_chunks
-        busy = self.active_promotions > 0
-        while self.ready and (in_flight < limit or not busy):
+        in_flight = self.write_chunks  # promotion chunks only: 0 when none is running
+        while self.ready and (in_flight < limit or in_flight == 0):
             req_id = next(iter(self.ready))
             promotion = self.ready.pop(req_id)
             taken.append((req_id, promotion))
             in_flight += len(promotion.keys)
-            busy = True
         return taken
 
     def drop_promotions(self, req_id: str) -> list[Promotion]:

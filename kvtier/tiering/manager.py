@@ -143,11 +143,10 @@ class TieringOffloadingManager(AsyncResource):
                 if tier.ctx.primary is not None:
                     tier.ctx.primary.bind(self._pins)
         self._life = Lifecycle(self._loop, self._start_tiers, self._close_tiers)
-        #: Counts of the primary tier, and of the manager's unlabelled metrics.
         self._report = Reporting(self.metrics, primary, self._tiers)
         self._counts = self._report.counts
         self._promotions = Promotions(
-            primary, self._jobs, self._requests, self._counts, self._evicted
+            primary, self._jobs, self._requests, self._counts, self._evicted, self._tiers
         )
         # A scrape of an idle engine sees current counts, not those of its last step.
         self.metrics.pull_from(self._flush_for_collection)
@@ -363,7 +362,7 @@ class TieringOffloadingManager(AsyncResource):
         for it go now; tiers hear of it once its stores and promotions ended."""
         with self.lock:
             req_id = req.req_id
-            self._promotions.drop_request(self._tiers, req_id)
+            self._promotions.drop_request(req_id)
             reserved = self._requests.take_reserved(req_id)
             if reserved:
                 self.primary.complete_load(reserved)
@@ -430,7 +429,7 @@ class TieringOffloadingManager(AsyncResource):
         for outcome in self._completions.drain():
             promotions_ended |= self._apply(outcome)
         if promotions_ended and not self._life.closed:
-            self._launch(self._promotions.start_waiting(self._tiers, time.perf_counter()))
+            self._launch(self._promotions.start_waiting(time.perf_counter()))
 
     def _apply(self, outcome: Outcome) -> bool:
         """Apply one outcome; whether it let a promotion job of its tier go."""
@@ -501,7 +500,7 @@ class TieringOffloadingManager(AsyncResource):
     async def areset_cache(self, *, hold_busy_slots: bool = False) -> None:
         """:meth:`reset_cache` for an async host."""
         with self.lock:
-            self._promotions.drop_all(self._tiers)
+            self._promotions.drop_all()
         await self._settle(include_pins=True)
         with self.lock:
             self._reset(hold_busy_slots)
@@ -540,7 +539,7 @@ class TieringOffloadingManager(AsyncResource):
     async def _close_tiers(self) -> None:
         """On the tier loop, once: what was queued goes, what is in flight ends."""
         with self.lock:
-            self._promotions.drop_all(self._tiers)
+            self._promotions.drop_all()
         await self._life.wait_started()
         for state in reversed(self._tiers):
             await state.runner.aclose()

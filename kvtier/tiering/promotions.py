@@ -37,8 +37,10 @@ class Promotions:
         requests: RequestTable,
         counts: Counts,
         evicted: Callable[[Sequence[OffloadKey]], None],
+        tiers: Sequence[TierState],
     ) -> None:
         self._primary = primary
+        self._tiers = tiers
         self._jobs = jobs
         self._requests = requests
         self._counts = counts
@@ -72,23 +74,23 @@ class Promotions:
         state.seal_promotions()
         self._start(state, now, launches)
 
-    def start_waiting(self, states: Sequence[TierState], now: float) -> list[Launch]:
+    def start_waiting(self, now: float) -> list[Launch]:
         """Promotion jobs ended: the waiting promotions that may start now."""
         launches: list[Launch] = []
-        for state in states:
+        for state in self._tiers:
             if state.ready:
                 self._start(state, now, launches)
         return launches
 
-    def drop_request(self, states: Sequence[TierState], req_id: str) -> None:
+    def drop_request(self, req_id: str) -> None:
         """The request finished: its promotions not started yet free their slots."""
-        for state in states:
+        for state in self._tiers:
             for promotion in state.drop_promotions(req_id):
                 self._primary.complete_write(promotion.keys, False)
 
-    def drop_all(self, states: Sequence[TierState]) -> None:
+    def drop_all(self) -> None:
         """Drop every lookup and promotion not sent yet: their slots were never written."""
-        for state in states:
+        for state in self._tiers:
             for promotion in state.drop_queued():
                 self._primary.complete_write(promotion.keys, False)
 
