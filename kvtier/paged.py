@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvtier.config import OffloadingConfig, chunk_row_bytes
+from kvtier.specs.factory import spec_name_for
 
 __all__ = ["PagedKVLayout"]
 
@@ -138,7 +139,6 @@ class PagedKVLayout:
             if key in extra:
                 raise ValueError(f"{key} comes from cpu_tokens and tokens_per_chunk; drop it")
         extra_config: dict[str, Any] = {
-            "spec_name": "TieringOffloadingSpec" if secondary_tiers else "CPUOffloadingSpec",
             "cpu_bytes_to_use": self.cpu_bytes_for_tokens(
                 cpu_tokens, tokens_per_chunk=tokens_per_chunk, world_size=world_size
             ),
@@ -147,6 +147,7 @@ class PagedKVLayout:
         if secondary_tiers:
             extra_config["secondary_tiers"] = [dict(tier) for tier in secondary_tiers]
         extra_config.update(extra)
+        extra_config.setdefault("spec_name", spec_name_for(extra_config))
         return OffloadingConfig(
             engine_id=engine_id,
             kv_bytes_per_block=self.kv_bytes_per_block,

@@ -129,6 +129,20 @@ def test_config_with_secondary_tiers_uses_the_tiering_spec(engine_id, tmp_path):
     ).extra_config["spec_name"] == ("CPUOffloadingSpec")
 
 
+def test_config_with_backpressure_alone_gets_a_spec_that_reads_it(engine_id):
+    # The CPU spec refuses backpressure; the config must name one that takes it.
+    config = SMALL.config(
+        engine_id,
+        cpu_tokens=64,
+        tokens_per_chunk=16,
+        model_name="m",
+        kv_dtype="bf16",
+        backpressure={"high_water": 0.005, "low_water": 0.001},
+    )
+    assert config.extra_config["spec_name"] == "TieringOffloadingSpec"
+    OffloadingSpecFactory.create_spec(config).shutdown()
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

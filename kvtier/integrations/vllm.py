@@ -49,6 +49,7 @@ from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricsRecorder
 from kvtier.records import LookupResult, Medium, OffloadingEvent, ReqContext, ScheduleEndContext
 from kvtier.specs.cpu import CPUOffloadingSpec
+from kvtier.specs.factory import spec_name_for
 from kvtier.specs.tiering import TieringOffloadingSpec
 from kvtier.tiering.manager import TieringOffloadingManager
 from kvtier.worker.worker import OffloadingWorker
@@ -152,9 +153,7 @@ def _translate_tier(tier: Mapping[str, Any], index: int) -> dict[str, Any]:
 
 def _kvtier_spec_class(extra_config: Mapping[str, Any]) -> type[CPUOffloadingSpec]:
     """The CPU spec when there are no secondary tiers (it alone has store_threshold)."""
-    if extra_config.get("secondary_tiers") or "backpressure" in extra_config:
-        return _TieringSpec
-    return _CPUSpec
+    return _TieringSpec if spec_name_for(extra_config) == "TieringOffloadingSpec" else _CPUSpec
 
 
 class _CPUSpec(CPUOffloadingSpec):

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from kvtier._plugins import PluginRegistry
 from kvtier.config import ConfigReader, OffloadingConfig
 from kvtier.specs.base import OffloadingSpec
 
-__all__ = ["OffloadingSpecFactory"]
+__all__ = ["OffloadingSpecFactory", "spec_name_for"]
+
+
+def spec_name_for(extra_config: Mapping[str, Any]) -> str:
+    """The built-in spec ``extra_config`` needs: the tiering spec for secondary tiers
+    (or their ``backpressure``), else the CPU spec."""
+    if extra_config.get("secondary_tiers") or "backpressure" in extra_config:
+        return "TieringOffloadingSpec"
+    return "CPUOffloadingSpec"
 
 
 class OffloadingSpecFactory:
