@@ -112,9 +112,8 @@ class Served:
         )
         token_ids = [int(t) for t in prompt]
         if len(token_ids) > MAX_PROMPT_TOKENS:
-            raise web.HTTPBadRequest(
-                text=_error(f"the prompt has {len(token_ids)} tokens, at most {MAX_PROMPT_TOKENS}"),
-                content_type="application/json",
+            raise _bad_request(
+                f"the prompt has {len(token_ids)} tokens, at most {MAX_PROMPT_TOKENS}"
             )
         # request() finishes the kvtier request in a finally, whatever happens here.
         async with self.prefix.request(token_ids) as hit:

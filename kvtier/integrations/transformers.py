@@ -338,7 +338,7 @@ class PrefixCache:
         Raises:
             KVTierError: the facade is closed, or a copy failed.
         """
-        keys = self.keys(list(token_ids)[:-1])
+        keys = self.keys(token_ids[:-1])
         restored = Restored(cache=self._new_cache(), tokens=0, chunks=0)
         # Every restored token goes straight to its place in these, one copy from the
         # pool; pages past the tokens restored are never touched, so never allocated.
@@ -346,27 +346,29 @@ class PrefixCache:
         bpc = self.blocks_per_chunk
         while restored.chunks < len(keys):
             window = keys[restored.chunks : restored.chunks + self.window_chunks]
-            async with self._blocks(len(window) * bpc) as blocks:
-                started = time.perf_counter()
-                hits = await self.kv.lookup(window, req_id, timeout=self.lookup_timeout_s)
-                looked_up = time.perf_counter()
-                loaded = 0
-                if hits:
-                    loaded = await self.kv.load(window[:hits], blocks[: hits * bpc], req_id)
-                copied = time.perf_counter()
-                if loaded:
-                    if not buffers:
-                        buffers = self._buffers(len(keys) * self.chunk_tokens)
-                    await anyio.to_thread.run_sync(
-                        self._gather,
-                        blocks[: loaded * bpc],
-                        buffers,
-                        restored.chunks * self.chunk_tokens,
-                        limiter=self._copy_limiter,
-                    )
-                restored.lookup_s += looked_up - started
-                restored.load_s += copied - looked_up
-                restored.gather_s += time.perf_counter() - copied
+            started = time.perf_counter()
+            hits = await self.kv.lookup(window, req_id, timeout=self.lookup_timeout_s)
+            looked_up = time.perf_counter()
+            restored.lookup_s += looked_up - started
+            loaded = 0
+            # Blocks of the pool only for what was found, and only once it was: a
+            # lookup may wait for promotions, and a miss needs none.
+            if hits:
+                async with self._blocks(hits * bpc) as blocks:
+                    loaded = await self.kv.load(window[:hits], blocks, req_id)
+                    copied = time.perf_counter()
+                    if loaded:
+                        if not buffers:
+                            buffers = self._buffers(len(keys) * self.chunk_tokens)
+                        await anyio.to_thread.run_sync(
+                            self._gather,
+                            blocks[: loaded * bpc],
+                            buffers,
+                            restored.chunks * self.chunk_tokens,
+                            limiter=self._copy_limiter,
+                        )
+                    restored.load_s += copied - looked_up
+                    restored.gather_s += time.perf_counter() - copied
             restored.chunks += loaded
             if loaded < len(window):
                 break
