@@ -65,7 +65,7 @@ from common import (
     PathRun,
     Patterns,
     check_workload_args,
-    drop_caches,
+    cold_read_mode,
     make_reads_cold,
     print_json,
     print_path_summary,
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     caches = [
         torch.zeros((blocks, chunk // 2 // 8), dtype=torch.int64, device=device) for _ in range(2)
     ]
-    cache_mode = "dropped" if args.page_cache == "drop" and drop_caches() else "o_direct"
+    cache_mode = cold_read_mode(args)
     spec = OffloadingSpecFactory.create_spec(config)
     try:
         manager = spec.get_manager()

@@ -586,7 +586,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     chunk = int(args.chunk_mib * common.MIB)
     count = max(1, int(args.gib * common.GIB) // chunk // args.job_chunks)
     chunks = count * args.job_chunks
-    cache_mode = "dropped" if args.page_cache == "drop" and common.drop_caches() else "o_direct"
+    cache_mode = common.cold_read_mode(args)
     engine = Engine(args, root)
     try:
         fs = common.FsTierShape(engine.kvtier)

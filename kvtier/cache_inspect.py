@@ -46,10 +46,7 @@ def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a directory")
     reports = []
-    for directory in sorted(p for p in root.iterdir() if p.is_dir()):
-        description = _description(directory)
-        if description is None:
-            continue
+    for directory, description in _namespaces(root):
         report = NamespaceReport(
             directory=directory.name,
             namespace=description.namespace,
@@ -85,9 +82,7 @@ def hint(root: Path) -> str:
             f"parent: kvtier inspect {root.parent}"
         )
     holding = sorted(
-        child
-        for child in root.iterdir()
-        if child.is_dir() and any(_description(d) is not None for d in _directories(child))
+        child for child in root.iterdir() if child.is_dir() and _holds_namespaces(child)
     )
     if holding:
         where = " or ".join(f"kvtier inspect {child}" for child in holding)
@@ -101,11 +96,18 @@ def hint(root: Path) -> str:
     )
 
 
-def _directories(path: Path) -> list[Path]:
+def _namespaces(path: Path) -> list[tuple[Path, NamespaceDescription]]:
+    """The namespace directories right below ``path``, in name order, with what they hold."""
+    children = sorted(child for child in path.iterdir() if child.is_dir())
+    found = [(child, _description(child)) for child in children]
+    return [(child, description) for child, description in found if description is not None]
+
+
+def _holds_namespaces(path: Path) -> bool:
     try:
-        return [child for child in path.iterdir() if child.is_dir()]
-    except OSError:
-        return []
+        return bool(_namespaces(path))
+    except OSError:  # a directory beside the tier's that this user may not read
+        return False
 
 
 def _description(directory: Path) -> NamespaceDescription | None:

@@ -134,18 +134,16 @@ def tier_problems(
         total: list[str] = []
         partial: list[str] = []
         lookups, failed = tier["queries"], tier["lookup_failures"]
-        if failed:
-            (total if failed >= lookups else partial).append(
-                f"every lookup ({failed:,} chunks)"
-                if failed >= lookups
-                else f"{failed:,} of {lookups:,} chunk lookups"
-            )
+        if failed >= lookups and failed:
+            total.append(f"every lookup ({failed:,} chunks)")
+        elif failed:
+            partial.append(f"{failed:,} of {lookups:,} chunk lookups")
         for kind, moved in (("cascade", "bytes_written"), ("promotion", "bytes_read")):
             jobs = tier[f"{kind}_failures"]
-            if jobs:
-                (total if not tier[moved] else partial).append(
-                    f"every {kind} ({jobs:,} jobs)" if not tier[moved] else f"{jobs:,} {kind}s"
-                )
+            if jobs and tier[moved]:
+                partial.append(f"{jobs:,} {kind}s")
+            elif jobs:
+                total.append(f"every {kind} ({jobs:,} jobs)")
         reason = reasons.get(label)
         because = f": {reason}" if reason else ""
         if total:

@@ -149,9 +149,12 @@ async def _serve_peer(settings: BenchSettings, secret: str, conn: Connection) ->
         keys = list(ordered)[-kv.manager.primary.num_chunks :]
         engine = Engine(kv, caches, batch, settings.lookup_timeout_s)
         stored = 0
-        for first in range(0, len(keys), batch):
-            part = keys[first : first + batch]
-            stored += await engine.compute_and_store(part, f"peer-{first}")
+        try:
+            for first in range(0, len(keys), batch):
+                part = keys[first : first + batch]
+                stored += await engine.compute_and_store(part, f"peer-{first}")
+        finally:
+            engine.close()
         await kv.drain()
         peer = next(t for t in kv.manager.tiers if isinstance(t, PeerTier))
         conn.send(("ready", peer.listen_address, stored))
