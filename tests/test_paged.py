@@ -111,33 +111,27 @@ def test_config_sizes_the_primary_tier_for_the_tokens_asked(engine_id):
         spec.shutdown()
 
 
+#: A small primary tier of SMALL's, for the config tests.
+SMALL_CONFIG = {"cpu_tokens": 64, "tokens_per_chunk": 16, "model_name": "m", "kv_dtype": "bf16"}
+
+
 def test_config_with_secondary_tiers_uses_the_tiering_spec(engine_id, tmp_path):
     config = SMALL.config(
         engine_id,
-        cpu_tokens=64,
-        tokens_per_chunk=16,
-        model_name="m",
-        kv_dtype="bf16",
+        **SMALL_CONFIG,
         secondary_tiers=[{"type": "fs", "root_dir": str(tmp_path)}],
         eviction_policy="arc",
     )
     assert config.extra_config["spec_name"] == "TieringOffloadingSpec"
     assert config.extra_config["secondary_tiers"] == [{"type": "fs", "root_dir": str(tmp_path)}]
     assert config.extra_config["eviction_policy"] == "arc"
-    assert SMALL.config(
-        engine_id, cpu_tokens=64, tokens_per_chunk=16, model_name="m", kv_dtype="bf16"
-    ).extra_config["spec_name"] == ("CPUOffloadingSpec")
+    assert SMALL.config(engine_id, **SMALL_CONFIG).extra_config["spec_name"] == "CPUOffloadingSpec"
 
 
 def test_config_with_backpressure_alone_gets_a_spec_that_reads_it(engine_id):
     # The CPU spec refuses backpressure; the config must name one that takes it.
     config = SMALL.config(
-        engine_id,
-        cpu_tokens=64,
-        tokens_per_chunk=16,
-        model_name="m",
-        kv_dtype="bf16",
-        backpressure={"high_water": 0.005, "low_water": 0.001},
+        engine_id, **SMALL_CONFIG, backpressure={"high_water": 0.005, "low_water": 0.001}
     )
     assert config.extra_config["spec_name"] == "TieringOffloadingSpec"
     OffloadingSpecFactory.create_spec(config).shutdown()
