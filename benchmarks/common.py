@@ -295,7 +295,7 @@ class FsTierShape:
 
     def __init__(self, manager: TieringOffloadingManager) -> None:
         fs = manager.tiers[0]
-        self.label = manager.tier_labels[0]
+        self.label = manager.diagnostics.tier_labels[0]
         self.direct_write = bool(getattr(fs, "o_direct", False))
         settings = getattr(fs, "settings", None)
         self.read_depth: int = getattr(settings, "read_depth", 1)
@@ -365,8 +365,8 @@ class PathRun:
 
     def end(self, manager: TieringOffloadingManager) -> None:
         on_loop(manager, self.probe.stop)
-        self.fs_stats = manager.tier_stats()[self.fs.label]
-        self.job_times = manager.promotion_job_times()[self.fs.label]
+        self.fs_stats = manager.diagnostics.tier_stats()[self.fs.label]
+        self.job_times = manager.diagnostics.promotion_job_times()[self.fs.label]
 
     def figures(
         self, root: Path, chunks: int, chunk_bytes: int, waits: Sequence[float]

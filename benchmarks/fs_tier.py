@@ -149,7 +149,7 @@ async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
         rounds.append(measured)
     await probe.stop()
     manager.on_schedule_end()
-    integrity = manager.tier_stats()["1:fs"]["integrity_failures"]
+    integrity = manager.diagnostics.tier_stats()["1:fs"]["integrity_failures"]
     await manager.aclose()
     figures = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     figures.update(

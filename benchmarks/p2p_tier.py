@@ -188,7 +188,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
             measured["read_ratio"] = measured["read_gbps"] / measured["raw_gbps"]
             rounds.append(measured)
         manager.on_schedule_end()
-        stats = manager.tier_stats()[manager.tier_labels[0]]
+        stats = manager.diagnostics.tier_stats()[manager.diagnostics.tier_labels[0]]
     finally:
         conn.send("exit")
         await manager.aclose()

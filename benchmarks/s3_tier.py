@@ -191,7 +191,7 @@ async def measure(
     finally:
         await probe.stop()
     manager.on_schedule_end()
-    stats = manager.tier_stats()[tier.ctx.tier_name]
+    stats = manager.diagnostics.tier_stats()[tier.ctx.tier_name]
     retries = manager.metrics.sample("kvtier_s3_retries_total", {"tier": tier.ctx.tier_name})
     figures = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     figures.update(

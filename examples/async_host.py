@@ -74,7 +74,7 @@ async def main(root_dir: str) -> None:
                 loaded = await serve(kv, kv_caches, f"user-{user}-{round_}", prompt)
                 print(f"round {round_} user {user}: {loaded} of 16 chunks cached")
             await kv.drain()
-        stats = kv.manager.tier_stats()
+        stats = kv.manager.diagnostics.tier_stats()
         print(
             f"fs tier: {stats['1:fs']['hits']:.0f} chunk hits, "
             f"{stats['1:fs']['bytes_written'] / 2**20:.1f} MiB written"

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -36,9 +36,8 @@ _T = TypeVar("_T")
 
 @dataclass(eq=False)
 class _Request:
-    """What the facade holds for one request: the primary slots its lookups pinned."""
+    """A request the facade has seen (the slots it pins are the manager's record)."""
 
-    pins: dict[OffloadKey, int] = field(default_factory=dict)
     #: Finished (or swept away by a reset): its pins are released, it takes no more.
     ended: bool = False
 
@@ -224,10 +223,10 @@ class KVTier(AsyncResource):
         req: ReqContext,
         deadline: float | None,
     ) -> int:
-        manager, pins = self.manager, request.pins
+        manager = self.manager
+        host = manager.host
         while True:
-            found = manager.lookup_prefix(keys, req, pins)
-            pins.update(found.pinned)
+            found = host.lookup_prefix(keys, req)
             if not found.pending:
                 break
             manager.on_schedule_end()
@@ -235,17 +234,13 @@ class KVTier(AsyncResource):
             if request.ended:
                 return 0  # finished meanwhile: its pins are gone
             if self._fence.raised:
-                self._release(request, req)
+                host.release_except(req, ())
                 return 0
             if not waited:
                 break
-        hits = _leading(keys, pins)
-        leading = set(keys[:hits])
-        stray = [key for key in pins if key not in leading]
-        if stray:
-            manager.complete_load(stray, req)
-            for key in stray:
-                del pins[key]
+        held = host.held(req)
+        hits = _leading(keys, held)
+        host.release_except(req, set(keys[:hits]))
         if hits:
             manager.touch(keys[:hits], req)
         # The lookup ends a step: what it queued for the tiers (a lookup that gave up
@@ -288,13 +283,12 @@ class KVTier(AsyncResource):
         manager, worker = self.manager, self.worker
         gpu_ids = self._gpu_ids(keys, gpu_block_ids)
         req = ReqContext(req_id)
-        request = self._requests.get(req_id)
-        pins = request.pins if request is not None else {}
+        pins = manager.host.held(req)
         slots: list[int] = []
         for key in keys:
-            slot = pins.pop(key, None)
+            slot = pins.get(key)
             if slot is None:
-                if manager.readable_prefix([key]) == 0:
+                if manager.host.readable_prefix([key]) == 0:
                     break
                 slot = manager.prepare_load([key], req).chunk_ids[0]
             slots.append(slot)
@@ -339,7 +333,7 @@ class KVTier(AsyncResource):
             bpc = self.worker.blocks_per_chunk
             req = ReqContext(req_id)
             deadline = None if timeout is None else time.monotonic() + timeout
-            batch = max(1, self.manager.primary.num_chunks // 2)
+            batch = max(1, self.manager.host.num_chunks // 2)
             stored = 0
             for start in range(0, len(keys), batch):
                 part = list(keys[start : start + batch])
@@ -390,17 +384,11 @@ class KVTier(AsyncResource):
         self._end(req_id)
 
     def _end(self, req_id: str) -> None:
-        req = ReqContext(req_id)
         request = self._requests.pop(req_id, None)
         if request is not None:
-            self._release(request, req)
             request.ended = True
-        self.manager.on_request_finished(req)
-
-    def _release(self, request: _Request, req: ReqContext) -> None:
-        pins, request.pins = request.pins, {}
-        if pins:
-            self.manager.complete_load(list(pins), req)
+        # Releases every slot the request holds.
+        self.manager.on_request_finished(ReqContext(req_id))
 
     # ------------------------------------------------------------- lifecycle
 

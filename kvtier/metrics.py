@@ -95,6 +95,8 @@ class Names:
     PROMOTION_LATENCY = "kvtier_tiering_promotion_latency_seconds"
     PROMOTION_JOB_TIME = "kvtier_tiering_promotion_job_seconds"
     INTEGRITY_FAILURES = "kvtier_tiering_integrity_failures"
+    QUARANTINED_SLOTS = "kvtier_tiering_quarantined_slots"
+    LATE_COMPLETIONS = "kvtier_tiering_late_completions"
 
 
 def cpu_metric_definitions(store_threshold: int) -> dict[str, MetricDefinition]:
@@ -195,6 +197,13 @@ def tiering_metric_definitions() -> dict[str, MetricDefinition]:
             "for a free job).",
             _TIER,
             buckets=(1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.09, 0.25, 0.5, 1.0, 2.5, 10.0),
+        ),
+        Names.QUARANTINED_SLOTS: GaugeDef(
+            "Primary slots kept out of use because I/O of a job given up at its timeout "
+            "may still touch them."
+        ),
+        Names.LATE_COMPLETIONS: CounterDef(
+            "Jobs whose I/O ended after their timeout had failed them, by tier.", _TIER
         ),
         Names.INTEGRITY_FAILURES: CounterDef(
             "Stored chunks that failed verification (checksum, length, key or namespace) "

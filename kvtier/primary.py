@@ -67,8 +67,6 @@ class PrimaryTier:
         self._records: dict[OffloadKey, SlotRecord] = {}
         # Popped from the end: slot 0 is handed out first.
         self._free: list[int] = list(range(num_chunks - 1, -1, -1))
-        # Slots a reset forgot while a host copy may still use them.
-        self._held: list[int] = []
         self.num_evictable = 0
         self.num_writing = 0
         self._events = EventLog(enable_events)
@@ -286,37 +284,27 @@ class PrimaryTier:
         return slots
 
     def free_slots(self, slots: Iterable[int]) -> None:
-        """Return slots taken out by :meth:`detach`."""
+        """Return slots taken out by :meth:`detach` or kept by :meth:`reset`."""
         self._free.extend(slots)
 
     # -------------------------------------------------------------- lifecycle
 
-    def reset(self, *, hold_busy: bool = False) -> None:
-        """Forget every key.
+    def busy_slots(self) -> list[int]:
+        """Slots being written or pinned now."""
+        return [record.slot for record in self._records.values() if record.ref_cnt != 0]
 
-        Without ``hold_busy`` the caller guarantees no copy touches a slot any more.
-        With it, slots being written or pinned stay out of the free list (a host copy
-        may still be writing or reading them) until :meth:`release_held`.
+    def reset(self, *, keep: Collection[int] = ()) -> None:
+        """Forget every key; every slot but those in ``keep`` is free again.
+
+        The caller (the manager's slot ledger) guarantees that nothing touches the
+        other slots any more, and returns those in ``keep`` with :meth:`free_slots`.
         """
         self._events.add(self.readable_keys(), self.medium, True, self.label)
-        if hold_busy:
-            self._held.extend(r.slot for r in self._records.values() if r.ref_cnt != 0)
-        held = set(self._held)
         self._records.clear()
         self.policy.clear()
-        self._free = [slot for slot in range(self.num_chunks - 1, -1, -1) if slot not in held]
+        self._free = [slot for slot in range(self.num_chunks - 1, -1, -1) if slot not in keep]
         self.num_evictable = 0
         self.num_writing = 0
-
-    @property
-    def num_held(self) -> int:
-        """Slots kept out of use by :meth:`reset` with ``hold_busy``."""
-        return len(self._held)
-
-    def release_held(self) -> None:
-        """Return the slots a ``hold_busy`` reset kept: no copy uses them any more."""
-        held, self._held = self._held, []
-        self._free.extend(sorted(held, reverse=True))
 
     def take_events(self) -> list[OffloadingEvent]:
         return self._events.take()

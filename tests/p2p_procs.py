@@ -107,7 +107,7 @@ def peer_tier(kv: KVTier) -> PeerTier:
 
 
 def counter(kv: KVTier, name: str) -> float:
-    label = {"tier": kv.manager.tier_labels[0]}
+    label = {"tier": kv.manager.diagnostics.tier_labels[0]}
     kv.manager.on_schedule_end()  # flush the step's counts
     return kv.manager.metrics.sample(f"{name}_total", label) or 0.0
 

@@ -61,7 +61,7 @@ async def test_chunks_come_back_from_a_secondary_tier_after_eviction(engine_id):
         await kv.drain()
         await kv.store(keys("late", 4), [4, 5, 6, 7], "w2")
         await kv.drain()
-        assert kv.manager.readable_prefix(first) == 0
+        assert kv.manager.host.readable_prefix(first) == 0
         assert await kv.lookup(first, "r", timeout=10) == 4
         assert await kv.load(first, [20, 21, 22, 23], "r") == 4
         assert torch.equal(kv_cache[20:24], kv_cache[0:4])
@@ -117,7 +117,7 @@ async def test_a_store_finishes_even_when_its_caller_is_cancelled(engine_id):
             await task
         gate.set()
         await kv.drain()
-        assert kv.manager.readable_prefix(ks) == 2
+        assert kv.manager.host.readable_prefix(ks) == 2
 
 
 async def test_a_store_with_no_room_waits_for_cascades_then_stores(engine_id):
@@ -236,7 +236,7 @@ async def test_a_reset_waits_for_a_load_in_flight_which_copies_the_right_bytes(e
         assert await loading == 2
         await resetting
         assert torch.equal(kv_cache[30:32], kv_cache[0:2])
-        assert kv.manager.readable_prefix(ks) == 0
+        assert kv.manager.host.readable_prefix(ks) == 0
 
 
 async def test_a_request_finished_while_its_lookup_waits_keeps_no_pin(engine_id):
@@ -312,13 +312,13 @@ async def test_a_prompt_half_evicted_to_disk_reads_back_only_its_missing_chunks(
         await kv.drain()
         assert await kv.store(second, list(range(28, 56)), "w2") == 28
         await kv.drain()
-        assert kv.manager.readable_prefix(first) == 0  # its head went to make room
+        assert kv.manager.host.readable_prefix(first) == 0  # its head went to make room
         assert await kv.lookup(first, "r", timeout=30) == 28
         assert await kv.load(first, list(range(60, 88)), "r") == 28
         assert torch.equal(kv_cache[60:88], kv_cache[0:28])
         kv.manager.on_schedule_end()
         chunk = kv.manager.region.chunk_bytes
-        read = kv.manager.tier_stats()["1:fs"]["bytes_read"]
+        read = kv.manager.diagnostics.tier_stats()["1:fs"]["bytes_read"]
         assert round(read / chunk) == 16  # only the 16 chunks that had left the primary
         scraped = kv.registry.get_sample_value("kvtier_tiering_read_bytes_total", {"tier": "1:fs"})
         assert scraped == read

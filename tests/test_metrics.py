@@ -149,7 +149,7 @@ async def test_after_drain_a_scrape_shows_backpressure_drops_and_the_average(eng
         for i in range(6):
             assert await kv.store(keys(f"pressure{i}", 1), [i], f"w{i}") == 1
             await kv.drain()
-        label = {"tier": kv.manager.tier_labels[0]}
+        label = {"tier": kv.manager.diagnostics.tier_labels[0]}
         stores = registry.get_sample_value(
             "kvtier_tiering_backpressure_stores_dropped_total", label
         )

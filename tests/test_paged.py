@@ -106,7 +106,7 @@ def test_config_sizes_the_primary_tier_for_the_tokens_asked(engine_id):
     assert config.extra_config["block_size"] == 64
     spec = OffloadingSpecFactory.create_spec(config)
     try:
-        assert spec.get_manager().primary.num_chunks == 29  # ceil(1800 / 64)
+        assert spec.get_manager().host.num_chunks == 29  # ceil(1800 / 64)
     finally:
         spec.shutdown()
 

@@ -148,7 +148,7 @@ async def _sample(
     started = time.perf_counter()
     while True:
         kv.manager.on_schedule_end()  # flushes counters, like an engine step
-        counts = kv.manager.tier_stats()
+        counts = kv.manager.diagnostics.tier_stats()
         timeline.append(
             {
                 "t": round(time.perf_counter() - started, 3),

@@ -39,7 +39,7 @@ def build_report(
 
     ``counts`` are the manager's cumulative counts by tier label, ``labels`` the tiers
     in lookup order (the primary tier first), ``promotions`` the measured promotion job
-    latencies in seconds by tier label (``manager.promotion_latencies()``).
+    latencies in seconds by tier label (``manager.diagnostics.promotion_latencies()``).
     """
     requests = run.requests
     return {

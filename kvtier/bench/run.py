@@ -77,10 +77,10 @@ async def run_bench(
                     run = await replay(kv, engine, workload, settings, progress)
                 finally:
                     engine.close()
-                labels = [PRIMARY, *kv.manager.tier_labels]
-                counts = kv.manager.tier_stats()
-                promotions = kv.manager.promotion_latencies()
-                built = dict(zip(kv.manager.tier_labels, kv.manager.tiers, strict=True))
+                labels = [PRIMARY, *kv.manager.diagnostics.tier_labels]
+                counts = kv.manager.diagnostics.tier_stats()
+                promotions = kv.manager.diagnostics.promotion_latencies()
+                built = dict(zip(kv.manager.diagnostics.tier_labels, kv.manager.tiers, strict=True))
             report = build_report(settings, workload, run, counts, labels, promotions, device())
             report["duration_s"] = round(run.elapsed_s, 3)
             report["errors"], report["warnings"] = tier_problems(report["tiers"], problems.reasons)

@@ -146,7 +146,7 @@ async def _serve_peer(settings: BenchSettings, secret: str, conn: Connection) ->
     batch = settings.max_prompt_chunks
     caches = kv_caches(settings, batch)
     async with KVTier(config, caches, engine=copy_engine()) as kv:
-        keys = list(ordered)[-kv.manager.primary.num_chunks :]
+        keys = list(ordered)[-kv.manager.host.num_chunks :]
         engine = Engine(kv, caches, batch, settings.lookup_timeout_s)
         stored = 0
         try:

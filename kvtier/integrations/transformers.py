@@ -267,7 +267,7 @@ class PrefixCache:
             )
         if window_chunks is None:
             # A quarter leaves the rest of the primary tier to other requests' pins.
-            window_chunks = max(1, kv.manager.primary.num_chunks // 4)
+            window_chunks = max(1, kv.manager.host.num_chunks // 4)
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
         self.window_chunks = min(window_chunks, pool_chunks)

@@ -281,7 +281,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         described = {}
         configs = getattr(self.spec, "tier_configs", [])
         for label, tier, tier_config in zip(
-            self.kvtier.tier_labels, self.kvtier.tiers, configs, strict=True
+            self.kvtier.diagnostics.tier_labels, self.kvtier.tiers, configs, strict=True
         ):
             locality = tier_config.get("locality") or type(tier).locality
             described[label] = (tier.medium, _LOCALITY[locality])
@@ -451,7 +451,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         return [
             {
                 "backend": f"kvtier {kvtier.__version__}",
-                "tiers": ",".join(self.kvtier.tier_labels) or "none",
+                "tiers": ",".join(self.kvtier.diagnostics.tier_labels) or "none",
                 "eviction_policy": spec.eviction_policy,
                 "blocks_per_chunk": spec.blocks_per_chunk,
             }

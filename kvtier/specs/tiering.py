@@ -133,7 +133,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             "tiering: %d primary chunks of %d bytes, tiers %s",
             self.num_chunks,
             self.chunk_bytes,
-            ", ".join(manager.tier_labels) or "none",
+            ", ".join(manager.diagnostics.tier_labels) or "none",
         )
         self._manager = manager
         return manager

@@ -1,123 +1,167 @@
-"""Jobs in flight: cascades and promotions from their launch to the release of their slots.
+"""Jobs in flight: cascades and promotions from their launch to their outcome.
 
-A cascade pins the primary slots it reads until its tier is done with them. A
-promotion owns the slots it writes: they become readable when it succeeds and free
-when it fails. A job that timed out is reported failed at once, but its slots stay
-out of use (quarantined) until the tier's coroutine has really stopped.
+A cascade's job pins the primary slots its tier reads until the tier is done with
+them. A promotion's job fills slots allocated for its keys: they become readable when
+it succeeds and free when it fails. A job that times out is reported failed at once
+and leaves the table; the slots its I/O may still touch go to the slot ledger's
+``io`` holder, which frees them only once that I/O has stopped. This module is the only
+one that changes the in-flight counts.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import Names
 from kvtier.primary import PrimaryTier
-from kvtier.tiering.lookups import TierState
-from kvtier.tiering.outcomes import JobOutcome, JobReleased
+from kvtier.tiering.backpressure import Backpressure
+from kvtier.tiering.ledger import Holder, SlotLedger
+from kvtier.tiering.outcomes import JobOutcome
+from kvtier.tiering.stats import Counts
 from kvtier.tiers.base import TransferJob
 
-__all__ = ["JobTable"]
+__all__ = ["InFlight", "JobTable", "PromotionEnded"]
 
 _N = TypeVar("_N", int, float)
 
 
+class InFlight:
+    """One tier's jobs in flight, and the chunks they move."""
+
+    __slots__ = ("cascade_chunks", "cascades", "promotion_chunks", "promotions")
+
+    def __init__(self) -> None:
+        self.cascades = 0
+        self.promotions = 0
+        #: Chunks the tier is reading out of primary slots (cascades).
+        self.cascade_chunks = 0
+        #: Chunks the tier is writing into primary slots (promotions).
+        self.promotion_chunks = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionEnded:
+    """What a promotion job's outcome did."""
+
+    tier: int
+    req_id: str
+    #: Keys now readable.
+    loaded: list[OffloadKey]
+    #: Keys the tier could not deliver (their slots are free, or kept for late I/O).
+    failed: list[OffloadKey]
+
+
 @dataclass(slots=True)
 class _Job:
-    state: TierState
+    tier: int
     job: TransferJob
+    #: When the job was asked for (a promotion: the hit that queued its first key).
     since: float
     #: When the job went to its tier (a promotion may wait for a free job before).
-    launched: float = 0.0
-    #: Slots of a timed-out promotion, held until its I/O has stopped.
-    quarantined: list[int] = field(default_factory=list)
+    launched: float
 
 
 class JobTable:
     """Every job in flight, and what its outcome does to the primary tier."""
 
-    def __init__(self, primary: PrimaryTier, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        primary: PrimaryTier,
+        ledger: SlotLedger,
+        chunk_bytes: int,
+        counts: Sequence[Counts],
+        backpressure: Sequence[Backpressure | None],
+    ) -> None:
         self._primary = primary
+        self._ledger = ledger
         self._chunk_bytes = chunk_bytes
+        self._counts = counts
+        self._backpressure = backpressure
+        self.in_flight = [InFlight() for _ in counts]
         self._jobs: dict[int, _Job] = {}
+        #: Jobs that timed out and whose coroutine has not returned yet.
+        self.late: set[int] = set()
         self._next_id = 0
 
     def __bool__(self) -> bool:
         return bool(self._jobs)
 
+    def late_ended(self, job_id: int) -> None:
+        """The coroutine of a job that timed out has returned."""
+        self.late.discard(job_id)
+
     def cascade(
-        self, state: TierState, keys: Sequence[OffloadKey], req_id: str, now: float
+        self, tier: int, keys: Sequence[OffloadKey], req_id: str, now: float
     ) -> TransferJob | None:
-        """A store job of readable ``keys`` to one tier (pinned), unless back-pressure drops it."""
-        if state.backpressure is not None and not state.backpressure.admit(len(keys)):
+        """A store job of readable ``keys`` to a tier (pinned for the job), unless
+        back-pressure drops it."""
+        backpressure = self._backpressure[tier]
+        if backpressure is not None and not backpressure.admit(len(keys)):
             return None
-        spec = self._primary.prepare_read(keys)
-        job = TransferJob(self._new_id(), tuple(keys), tuple(spec.chunk_ids), False, req_id)
-        self._jobs[job.job_id] = _Job(state, job, now)
-        state.active_cascades += 1
-        state.read_chunks += len(keys)
+        job_id = self._new_id()
+        slots = self._ledger.pin(keys, Holder.job(job_id))
+        job = TransferJob(job_id, tuple(keys), tuple(slots), False, req_id)
+        self._jobs[job_id] = _Job(tier, job, now, now)
+        counts = self.in_flight[tier]
+        counts.cascades += 1
+        counts.cascade_chunks += len(keys)
         return job
 
-    def promotions(self, state: TierState, now: float) -> list[TransferJob]:
-        """One load job per request whose promotions from ``state`` may start now."""
-        jobs: list[TransferJob] = []
-        for req_id, promotion in state.take_promotions():
-            job = TransferJob(
-                self._new_id(), tuple(promotion.keys), tuple(promotion.slots), True, req_id
-            )
-            self._jobs[job.job_id] = _Job(state, job, promotion.since, launched=now)
-            state.active_promotions += 1
-            state.write_chunks += len(job.keys)
-            jobs.append(job)
-        return jobs
+    def promotion(
+        self,
+        tier: int,
+        keys: Sequence[OffloadKey],
+        slots: Sequence[int],
+        req_id: str,
+        since: float,
+        now: float,
+    ) -> TransferJob:
+        """A load job filling ``slots`` (allocated for ``keys``) from a tier."""
+        job = TransferJob(self._new_id(), tuple(keys), tuple(slots), True, req_id)
+        self._jobs[job.job_id] = _Job(tier, job, since, now)
+        counts = self.in_flight[tier]
+        counts.promotions += 1
+        counts.promotion_chunks += len(keys)
+        return job
 
-    def finished(self, outcome: JobOutcome) -> list[OffloadKey] | None:
-        """Apply a job's outcome; for a promotion, the keys it made readable."""
-        entry = self._jobs.get(outcome.job.job_id)
+    def finished(self, outcome: JobOutcome) -> PromotionEnded | None:
+        """Apply a job's outcome; for a promotion, what it loaded and what it did not."""
+        entry = self._jobs.pop(outcome.job.job_id, None)
         if entry is None:
             return None
-        if outcome.job.is_promotion:
+        job = outcome.job
+        if not outcome.released:
+            self.late.add(job.job_id)
+        counts = self.in_flight[entry.tier]
+        if job.is_promotion:
+            counts.promotions -= 1
+            counts.promotion_chunks -= len(job.keys)
             return self._promotion_finished(entry, outcome)
+        counts.cascades -= 1
+        counts.cascade_chunks -= len(job.keys)
         self._cascade_finished(entry, outcome)
         return None
 
-    def released(self, released: JobReleased) -> None:
-        """A timed-out job's coroutine stopped: its slots go back."""
-        entry = self._jobs.pop(released.job.job_id, None)
-        if entry is None:
-            return
-        state, job = entry.state, released.job
-        if job.is_promotion:
-            state.active_promotions -= 1
-            state.write_chunks -= len(job.keys)
-            self._primary.free_slots(entry.quarantined)
-        else:
-            state.active_cascades -= 1
-            state.read_chunks -= len(job.keys)
-            self._primary.complete_read(job.keys)
-
-    def _promotion_finished(self, entry: _Job, outcome: JobOutcome) -> list[OffloadKey]:
-        state, job, result = entry.state, outcome.job, outcome.result
-        if outcome.released and result.success and result.successful_keys is None:
+    def _promotion_finished(self, entry: _Job, outcome: JobOutcome) -> PromotionEnded:
+        job, result = outcome.job, outcome.result
+        if not outcome.released:
+            # Timed out: the keys are misses now; their slots wait for the I/O to stop.
+            self._ledger.io_gave_up(job.job_id, job.keys)
+            loaded, failed = [], list(job.keys)
+        elif result.success and result.successful_keys is None:
             loaded, failed = list(job.keys), []
         else:
-            succeeded = set(result.successful_keys or ()) if outcome.released else set()
+            succeeded = set(result.successful_keys or ())
             loaded = [key for key in job.keys if key in succeeded]
             failed = [key for key in job.keys if key not in succeeded]
         if outcome.released:
-            del self._jobs[job.job_id]
-            state.active_promotions -= 1
-            state.write_chunks -= len(job.keys)
             self._primary.complete_write(loaded, True)
             self._primary.complete_write(failed, False)
-        else:
-            entry.quarantined = self._primary.detach(job.keys)
-        if failed:
-            state.forget_hits(failed, job.req_id)
-        counts = state.counts
+        counts = self._counts[entry.tier]
         if not result.success:
             counts.counters[Names.PROMOTION_JOB_FAILURES] += 1
         if loaded:
@@ -127,24 +171,25 @@ class JobTable:
             now = time.perf_counter()
             counts.samples[Names.PROMOTION_LATENCY].append(now - entry.since)
             counts.samples[Names.PROMOTION_JOB_TIME].append(now - entry.launched)
-        return loaded
+        return PromotionEnded(entry.tier, job.req_id, loaded, failed)
 
     def _cascade_finished(self, entry: _Job, outcome: JobOutcome) -> None:
-        state, job, result = entry.state, outcome.job, outcome.result
+        job, result = outcome.job, outcome.result
         if outcome.released:
-            del self._jobs[job.job_id]
-            state.active_cascades -= 1
-            state.read_chunks -= len(job.keys)
-            self._primary.complete_read(job.keys)
+            self._ledger.release_all(Holder.job(job.job_id))
+        else:
+            # Timed out: the tier may still read the slots; they stay pinned for its I/O.
+            self._ledger.io_gave_up(job.job_id, ())
         nbytes = _or(result.transfer_bytes, len(job.keys) * self._chunk_bytes)
-        counts = state.counts
+        counts = self._counts[entry.tier]
         if result.success:
             counts.counters[Names.WRITE_BYTES] += nbytes
             counts.counters[Names.WRITE_TIME] += _or(result.transfer_time, outcome.elapsed)
         else:
             counts.counters[Names.CASCADE_JOB_FAILURES] += 1
-        if state.backpressure is not None:
-            state.backpressure.record(outcome.elapsed, nbytes, failed=not result.success)
+        backpressure = self._backpressure[entry.tier]
+        if backpressure is not None:
+            backpressure.record(outcome.elapsed, nbytes, failed=not result.success)
 
     def _new_id(self) -> int:
         self._next_id += 1

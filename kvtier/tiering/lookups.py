@@ -1,30 +1,30 @@
-"""The manager's view of one secondary tier: answers, queued work, jobs in flight.
+"""What each secondary tier answered: lookups from the question to the kept answer.
 
-Everything here is touched by the manager only, under its lock. Lookups are answered
-from the tier's memory when it can (:meth:`SecondaryTier.contains`), else queued and
-sent as one batch per step; the answers are kept per request until it finishes, so a
-request sees one consistent answer while its promotions run.
+A lookup is answered from the tier's memory when it can
+(:meth:`SecondaryTier.contains`), else queued and sent as one batch per step; the
+answers are kept per request until it finishes, so a request sees one consistent answer
+while its promotions run. This module is the only one that changes these answers.
+Everything here runs under the manager's lock.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.keys import OffloadKey
-from kvtier.metrics import MetricsRecorder, Names
-from kvtier.tiering.backpressure import Backpressure
+from kvtier.metrics import Names
 from kvtier.tiering.outcomes import LookupOutcome
-from kvtier.tiering.runner import TierRunner
 from kvtier.tiering.stats import Counts
+from kvtier.tiers.base import SecondaryTier
 
-__all__ = ["PrefixLookup", "Promotion", "TierState"]
+__all__ = ["PrefixLookup", "TierLookups"]
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixLookup:
-    """What one :meth:`~TieringOffloadingManager.lookup_prefix` call found."""
+    """What one :meth:`~kvtier.tiering.host.HostAccess.lookup_prefix` call found."""
 
     #: Keys readable now, pinned for the request, with their slots.
     pinned: dict[OffloadKey, int]
@@ -33,139 +33,83 @@ class PrefixLookup:
     pending: bool
 
 
-@dataclass(slots=True)
-class Promotion:
-    """Keys a request will promote from one tier at the end of the step."""
+class TierLookups:
+    """One tier's answers, per request, and the questions on their way to it."""
 
-    keys: list[OffloadKey] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    since: float = 0.0
-
-
-class TierState:
-    """One secondary tier as the manager sees it."""
-
-    def __init__(self, runner: TierRunner, backpressure: Backpressure | None) -> None:
-        self.runner = runner
-        self.tier = runner.tier
-        self.label = runner.label
-        self.backpressure = backpressure
+    def __init__(self, tier: SecondaryTier, counts: Counts) -> None:
+        self._tier = tier
+        self._counts = counts
         #: Resolved answers, per request, per key.
-        self.answers: dict[str, dict[OffloadKey, bool]] = {}
+        self._answers: dict[str, dict[OffloadKey, bool]] = {}
         #: Keys queued or in flight for an async lookup -> the requests waiting.
-        self.asking: dict[OffloadKey, set[str]] = {}
-        self.asked_at: dict[OffloadKey, float] = {}
-        self.queued: list[OffloadKey] = []
-        self.lookups_in_flight = 0
-        #: Promotions queued during the current step, by request.
-        self.promotions: dict[str, Promotion] = {}
-        #: Promotions of past steps waiting for a free job, oldest first.
-        self.ready: dict[str, Promotion] = {}
-        settings = runner.settings
-        self.max_promotion_chunks = settings.max_promotion_chunks
-        self.active_promotions = 0
-        self.active_cascades = 0
-        self.write_chunks = 0
-        self.read_chunks = 0
-        self.counts = Counts(self.label)
-        self._integrity_reported = 0
+        self._asking: dict[OffloadKey, set[str]] = {}
+        self._asked_at: dict[OffloadKey, float] = {}
+        self._queued: list[OffloadKey] = []
+        self._in_flight = 0
 
     @property
     def busy(self) -> bool:
-        return bool(self.queued or self.promotions or self.ready or self.lookups_in_flight)
-
-    # ------------------------------------------------------------- answers
+        """Whether a lookup is queued or in flight."""
+        return bool(self._queued or self._in_flight)
 
     def answer(self, key: OffloadKey, req_id: str) -> bool | None:
         """Whether the tier holds ``key`` for this request; None while it is being asked."""
-        per_request = self.answers.get(req_id)
+        per_request = self._answers.get(req_id)
         if per_request is not None:
             known = per_request.get(key)
             if known is not None:
                 return known
-        waiting = self.asking.get(key)
+        waiting = self._asking.get(key)
         if waiting is not None:
             waiting.add(req_id)
             return None
         started = time.perf_counter()
-        quick = self.tier.contains(key)
+        quick = self._tier.contains(key)
         if quick is not None:
-            counts = self.counts
+            counts = self._counts
             counts.samples[Names.LOOKUP_SYNC_DELAY].append(time.perf_counter() - started)
             counts.counters[Names.CHUNK_QUERIES] += 1
             counts.counters[Names.CHUNK_HITS] += quick
-            self.remember(req_id, key, quick)
+            self._remember(req_id, key, quick)
             return quick
-        self.asking[key] = {req_id}
-        self.asked_at[key] = started
-        self.queued.append(key)
+        self._asking[key] = {req_id}
+        self._asked_at[key] = started
+        self._queued.append(key)
         return None
 
-    def remember(self, req_id: str, key: OffloadKey, present: bool) -> None:
-        per_request = self.answers.get(req_id)
+    def _remember(self, req_id: str, key: OffloadKey, present: bool) -> None:
+        per_request = self._answers.get(req_id)
         if per_request is None:
-            per_request = self.answers[req_id] = {}
+            per_request = self._answers[req_id] = {}
         per_request[key] = present
-
-    def seal_promotions(self) -> None:
-        """The step ended: its promotions join those waiting for a job."""
-        for req_id, promotion in self.promotions.items():
-            waiting = self.ready.get(req_id)
-            if waiting is None:
-                self.ready[req_id] = promotion
-            else:
-                waiting.keys.extend(promotion.keys)
-                waiting.slots.extend(promotion.slots)
-        self.promotions.clear()
-
-    def take_promotions(self) -> list[tuple[str, Promotion]]:
-        """The waiting promotions that may start now, oldest first: while fewer than
-        ``max_promotion_chunks`` chunks are being promoted, and always one if none is."""
-        limit = self.max_promotion_chunks
-        if limit is None:
-            taken = list(self.ready.items())
-            self.ready.clear()
-            return taken
-        taken = []
-        in_flight = self.write_chunks  # promotion chunks only: 0 when none is running
-        while self.ready and (in_flight < limit or in_flight == 0):
-            req_id = next(iter(self.ready))
-            promotion = self.ready.pop(req_id)
-            taken.append((req_id, promotion))
-            in_flight += len(promotion.keys)
-        return taken
-
-    def drop_promotions(self, req_id: str) -> list[Promotion]:
-        """Forget the request's promotions not sent yet; returns them."""
-        dropped = [self.promotions.pop(req_id, None), self.ready.pop(req_id, None)]
-        return [promotion for promotion in dropped if promotion is not None]
 
     def take_queued(self) -> tuple[OffloadKey, ...] | None:
         """The step's queued lookups as one batch, now in flight; None if there are none."""
-        if not self.queued:
+        if not self._queued:
             return None
-        keys = tuple(self.queued)
-        self.queued = []
-        self.lookups_in_flight += 1
+        keys = tuple(self._queued)
+        self._queued = []
+        self._in_flight += 1
         return keys
 
     def lookup_done(self, outcome: LookupOutcome) -> None:
-        self.lookups_in_flight -= 1
+        """A batch came back: keep its answers for the requests that asked."""
+        self._in_flight -= 1
         answers = outcome.answers or (False,) * len(outcome.keys)
         now = time.perf_counter()
-        counts = self.counts
+        counts = self._counts
         if outcome.answers is None:  # the batch failed or timed out: misses, counted
             counts.counters[Names.LOOKUP_FAILURES] += len(outcome.keys)
         delays = counts.samples[Names.LOOKUP_ASYNC_DELAY]
         for key, present in zip(outcome.keys, answers, strict=True):
-            waiting = self.asking.pop(key, ())
-            asked = self.asked_at.pop(key, None)
+            waiting = self._asking.pop(key, ())
+            asked = self._asked_at.pop(key, None)
             if asked is not None:
                 delays.append(now - asked)
             counts.counters[Names.CHUNK_QUERIES] += 1
             counts.counters[Names.CHUNK_HITS] += present
             for req_id in waiting:
-                self.remember(req_id, key, present)
+                self._remember(req_id, key, present)
 
     def forget_hits(self, keys: Sequence[OffloadKey], failed_for: str) -> None:
         """A load of ``keys`` for request ``failed_for`` failed.
@@ -175,42 +119,24 @@ class TierState:
         chunk it cannot deliver never holds a request in a loop of promotions.
         """
         lost = set(keys)
-        for per_request in self.answers.values():
+        for per_request in self._answers.values():
             for key in lost.intersection(per_request):
                 del per_request[key]
         for key in lost:
-            self.remember(failed_for, key, False)
+            self._remember(failed_for, key, False)
 
     def forget_request(self, req_id: str) -> None:
-        self.answers.pop(req_id, None)
-        for waiting in self.asking.values():
+        self._answers.pop(req_id, None)
+        for waiting in self._asking.values():
             waiting.discard(req_id)
 
-    def drop_queued(self) -> list[Promotion]:
-        """Forget lookups and promotions not sent yet; returns the promotions dropped."""
-        dropped = [*self.promotions.values(), *self.ready.values()]
-        self.promotions.clear()
-        self.ready.clear()
-        for key in self.queued:
-            self.asking.pop(key, None)
-            self.asked_at.pop(key, None)
-        self.queued = []
-        return dropped
+    def drop_queued(self) -> None:
+        """Forget the lookups not sent yet."""
+        for key in self._queued:
+            self._asking.pop(key, None)
+            self._asked_at.pop(key, None)
+        self._queued = []
 
-    # ------------------------------------------------------------- metrics
-
-    def flush(self, metrics: MetricsRecorder, num_chunks: int) -> None:
-        self.counts.flush(metrics)
-        label = self.counts.labels
-        metrics.set(Names.PRIMARY_WRITE_USAGE_PERC, self.write_chunks / num_chunks, label)
-        metrics.set(Names.PRIMARY_READ_USAGE_PERC, self.read_chunks / num_chunks, label)
-        metrics.set(Names.ACTIVE_PROMOTION_JOBS, self.active_promotions, label)
-        metrics.set(Names.ACTIVE_CASCADE_JOBS, self.active_cascades, label)
-        integrity = self.tier.ctx.counters.integrity_failures
-        metrics.inc(Names.INTEGRITY_FAILURES, integrity - self._integrity_reported, label)
-        self._integrity_reported = integrity
-        if self.backpressure is not None:
-            metrics.set(Names.BACKPRESSURE_STORE_LATENCY_EMA, self.backpressure.ema, label)
-            stores, blocks = self.backpressure.take_dropped()
-            metrics.inc(Names.BACKPRESSURE_STORES_DROPPED, stores, label)
-            metrics.inc(Names.BACKPRESSURE_BLOCKS_DROPPED, blocks, label)
+    def clear_answers(self) -> None:
+        """Forget every kept answer (the primary tier was reset)."""
+        self._answers.clear()

@@ -6,25 +6,35 @@ their outcomes come back through a completion queue that the manager drains at i
 poll points (``lookup``, ``prepare_load``, ``prepare_store``, ``on_schedule_end`` and
 the async helpers), so the state has one writer at a time.
 
-Data flow:
+A key's trip, in the order the code runs it:
 
-- *Cascade*: ``complete_store`` makes chunks readable in the primary tier and, for
-  every secondary tier whose back-pressure admits it, pins them and submits one store
-  job; the pins go when that tier is done.
-- *Promotion*: a ``lookup`` that misses the primary tier asks the secondary tiers in
-  order; the first hit allocates a primary slot at once (so a key is promoted once)
-  and queues the key; ``on_schedule_end`` submits one load job per (tier, request).
-- *Async lookups*: a tier that cannot answer from memory answers RETRY; the keys it
-  was asked during the step go to it as one batch at ``on_schedule_end``, and the
-  answers are kept for the requests that asked until they finish.
+1. *Lookup* (:meth:`lookup`): the primary tier answers first; on a miss each secondary
+   tier is asked in order (:mod:`~kvtier.tiering.lookups`: from memory, or queued for
+   one batch per step). The first tier that holds the key gets a primary slot
+   allocated for it at once (:mod:`~kvtier.tiering.promotions`), so a key is promoted
+   once, and the answer is HIT_PENDING.
+2. *Promotion*: :meth:`on_schedule_end` sends the step's lookups and starts one load
+   job per (tier, request) while the tier's chunk budget allows
+   (:mod:`~kvtier.tiering.jobs`, run by :mod:`~kvtier.tiering.runner`). When the job
+   ends its keys are readable and *reserved* for the request in the slot ledger
+   (:mod:`~kvtier.tiering.ledger`), so no other request evicts them first.
+3. *Pin*: :meth:`prepare_load` pins the keys for the request; reserved keys are
+   transferred to it, not pinned twice.
+4. *Load*: the host copies the slots to the GPU and :meth:`complete_load` releases
+   the request's pins.
+
+And the other way: :meth:`prepare_store` allocates slots, the host copies into them,
+:meth:`complete_store` makes them readable and *cascades* them: one store job per
+secondary tier that back-pressure admits, each pinning the slots until its tier is
+done. A job that outlives its timeout is failed at once; its slots stay with the
+ledger until its I/O has stopped.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from collections.abc import Collection, Container, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.keys import OffloadKey
@@ -42,10 +52,12 @@ from kvtier.region import SharedOffloadRegion
 from kvtier.resources import AsyncResource
 from kvtier.tiering.backpressure import Backpressure, BackpressureSettings
 from kvtier.tiering.completions import OutcomeServer
+from kvtier.tiering.diagnostics import Diagnostics
 from kvtier.tiering.gate import LookupCounter
+from kvtier.tiering.host import HostAccess
 from kvtier.tiering.jobs import JobTable
+from kvtier.tiering.ledger import Holder, SlotLedger
 from kvtier.tiering.lifecycle import Lifecycle
-from kvtier.tiering.lookups import PrefixLookup, TierState
 from kvtier.tiering.loop import LoopThread, TierLoop
 from kvtier.tiering.outcomes import (
     JobOutcome,
@@ -53,18 +65,18 @@ from kvtier.tiering.outcomes import (
     LookupOutcome,
     Outcome,
     PinRequest,
+    SettleSlots,
     UnpinRequest,
 )
 from kvtier.tiering.pins import PinService
-from kvtier.tiering.promotions import Launch, Promotions
+from kvtier.tiering.promotions import Promotions
 from kvtier.tiering.reporting import Reporting
 from kvtier.tiering.requests import RequestTable
 from kvtier.tiering.runner import RunnerSettings, TierRunner, start_in_order
-from kvtier.tiers.base import SecondaryTier
+from kvtier.tiering.state import TierState
+from kvtier.tiers.base import SecondaryTier, TransferJob
 
 __all__ = ["TierOptions", "TieringOffloadingManager"]
-
-logger = logging.getLogger(__name__)
 
 _QUERIES = Names.CHUNK_QUERIES
 _HITS = Names.CHUNK_HITS
@@ -72,6 +84,11 @@ _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 _MISS = LookupResult.MISS
 _RETRY = LookupResult.RETRY
+
+# How often the manager looks again whether late I/O still touches the slots kept for
+# it. Only slots of jobs that timed out wait for this; a slot's reuse waits at most
+# this long after its last user let go.
+_SETTLE_INTERVAL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,10 @@ class TierOptions:
 
 class TieringOffloadingManager(AsyncResource):
     """Keeps track of what every tier holds and moves chunks between them.
+
+    Its methods are the scheduler protocol (DESIGN section 4). What an async host needs
+    beyond it is :attr:`host`; counts and samples for benchmarks and operators are
+    :attr:`diagnostics`.
 
     With no secondary tiers this is the CPU spec's manager and needs no event loop.
     With tiers, their coroutines run on ``loop``: the async host's own
@@ -125,29 +146,55 @@ class TieringOffloadingManager(AsyncResource):
         self._gate = (
             LookupCounter(store_threshold, max_tracked_lookups) if store_threshold >= 2 else None
         )
+        view = region.primary_view if region is not None else None
+        self._ledger = SlotLedger(primary, view)
         self._requests = RequestTable()
         self._completions = OutcomeServer(self.lock, self._loop, self._drain).queue
         self._pending = self._completions.pending
-        self._jobs = JobTable(primary, region.chunk_bytes if region is not None else 0)
+        post = self._completions.post
         self._tiers = [
             TierState(
-                TierRunner(i, tier, opt.runner, self._completions.post),
+                TierRunner(i, tier, opt.runner, post),
                 Backpressure(opt.backpressure) if opt.backpressure is not None else None,
             )
             for i, (tier, opt) in enumerate(zip(tiers, options, strict=True))
         ]
-        self._pins: PinService | None = None
-        if region is not None:
-            self._pins = PinService(primary, region.primary_view, self._completions.post)
-            for tier in tiers:
-                if tier.ctx.primary is not None:
-                    tier.ctx.primary.bind(self._pins)
+        self._jobs = JobTable(
+            primary,
+            self._ledger,
+            region.chunk_bytes if region is not None else 0,
+            [state.counts for state in self._tiers],
+            [state.backpressure for state in self._tiers],
+        )
+        self._pin_service: PinService | None = None
+        if view is not None:
+            self._pin_service = PinService(self._ledger, view, post)
+            for state in self._tiers:
+                if state.tier.ctx.primary is not None:
+                    state.tier.ctx.primary.bind(self._pin_service.for_tier(state.label))
+        self._settling = False
         self._life = Lifecycle(self._loop, self._start_tiers, self._close_tiers)
-        self._report = Reporting(self.metrics, primary, self._tiers)
+        self._report = Reporting(
+            self.metrics, primary, self._ledger, self._tiers, self._jobs.in_flight
+        )
         self._counts = self._report.counts
         self._promotions = Promotions(
-            primary, self._jobs, self._requests, self._counts, self._evicted, self._tiers
+            primary,
+            self._jobs,
+            self._counts,
+            [opt.runner.max_promotion_chunks for opt in options],
         )
+        self.host = HostAccess(
+            self.lock,
+            self._poll,
+            self._lookup,
+            self._ledger,
+            primary,
+            self._completions,
+            self._step_and_check,
+            has_tiers=bool(self._tiers),
+        )
+        self.diagnostics = Diagnostics(self.lock, self._report, self._ledger, self._tiers)
         # A scrape of an idle engine sees current counts, not those of its last step.
         self.metrics.pull_from(self._flush_for_collection)
 
@@ -158,10 +205,6 @@ class TieringOffloadingManager(AsyncResource):
     @property
     def tiers(self) -> list[SecondaryTier]:
         return [state.tier for state in self._tiers]
-
-    @property
-    def tier_labels(self) -> list[str]:
-        return [state.label for state in self._tiers]
 
     @property
     def loop(self) -> TierLoop | None:
@@ -203,47 +246,6 @@ class TieringOffloadingManager(AsyncResource):
                 self._drain()
             return self._lookup(key, req.req_id, None)
 
-    def lookup_prefix(
-        self,
-        keys: Sequence[OffloadKey],
-        req: ReqContext,
-        held: Container[OffloadKey] = (),
-    ) -> PrefixLookup:
-        """Look a whole prefix up in one call, pinning what is readable.
-
-        Walks ``keys`` in order, skipping those in ``held`` (pinned by an earlier
-        call), up to the first key no tier holds. Keys readable now are pinned for
-        the request (release them with :meth:`complete_load`); keys on their way
-        (being written, promoted or asked) make the answer pending. Promotions
-        started here never evict a key of ``keys``.
-        """
-        with self.lock:
-            if self._pending:
-                self._drain()
-            req_id = req.req_id
-            prefix = set(keys) if self._tiers else None
-            readable: list[OffloadKey] = []
-            pending = False
-            for key in keys:
-                if key in held:
-                    continue
-                result = self._lookup(key, req_id, prefix)
-                if result is _HIT:
-                    readable.append(key)
-                elif result is _MISS:
-                    break
-                else:
-                    pending = True
-            slots = self._pin(readable, req_id) if readable else []
-            return PrefixLookup(dict(zip(readable, slots, strict=True)), pending)
-
-    def readable_prefix(self, keys: Sequence[OffloadKey]) -> int:
-        """How many leading ``keys`` are readable in the primary tier right now."""
-        with self.lock:
-            if self._pending:
-                self._drain()
-            return self.primary.readable_prefix(keys)
-
     def _lookup(
         self, key: OffloadKey, req_id: str, protected: Collection[OffloadKey] | None
     ) -> LookupResult:
@@ -257,15 +259,17 @@ class TieringOffloadingManager(AsyncResource):
             counters[_HITS] += 1
             return _HIT if refs >= 0 else _HIT_PENDING
         retry = False
-        for state in self._tiers:
-            present = state.answer(key, req_id)
+        for index, state in enumerate(self._tiers):
+            present = state.lookups.answer(key, req_id)
             if present is None:
                 retry = True
             elif present:
                 # The first tier holding the key promotes it; no slot left: a miss.
-                if self._promotions.begin(state, key, req_id, protected):
-                    return _HIT_PENDING
-                return _MISS
+                evicted = self._promotions.begin(index, key, req_id, protected)
+                if evicted is None:
+                    return _MISS
+                self._evicted(evicted)
+                return _HIT_PENDING
         return _RETRY if retry else _MISS
 
     # ---------------------------------------------------------------- loads
@@ -278,12 +282,18 @@ class TieringOffloadingManager(AsyncResource):
             return LoadStoreSpec(chunk_ids=self._pin(keys, req.req_id))
 
     def _pin(self, keys: Sequence[OffloadKey], req_id: str) -> list[int]:
-        """Pin readable ``keys`` for a request, taking over pins reserved for it."""
-        slots = list(self.primary.prepare_load(keys).chunk_ids)
-        claimed = self._requests.claim(req_id, keys)
-        if claimed:
-            self.primary.complete_load(claimed)
-        return slots
+        """Pin readable ``keys`` for a request, taking over those reserved for it."""
+        ledger, holder = self._ledger, Holder.request(req_id)
+        reserved = Holder.reserved(req_id)
+        taken = ledger.transfer(keys, reserved, holder)
+        if not taken:
+            return ledger.pin(keys, holder)
+        rest = list(keys)
+        for key in taken:
+            rest.remove(key)
+        ledger.pin(rest, holder)
+        slot_of = self.primary.slot_of
+        return [slot for key in keys if (slot := slot_of(key)) is not None]
 
     def touch(self, keys: Sequence[OffloadKey], req: ReqContext) -> None:
         """Record a use of ``keys`` (first = head of the prefix) in every tier."""
@@ -293,9 +303,9 @@ class TieringOffloadingManager(AsyncResource):
                 state.tier.touch(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey], req: ReqContext) -> None:
-        """Unpin ``keys`` after the GPU read them."""
+        """Release the request's pins on ``keys`` after the GPU read them."""
         with self.lock:
-            self.primary.complete_load(keys)
+            self._ledger.release(keys, Holder.request(req.req_id))
             # A store waiting for room may now evict them.
             self._completions.notify()
 
@@ -329,19 +339,18 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             done = self.primary.complete_store(keys, success)
             if done and self._tiers and not self._life.closed:
-                self._cascade(done, req.req_id)
+                now = time.perf_counter()
+                self._launch(
+                    [
+                        (index, job)
+                        for index in range(len(self._tiers))
+                        if (job := self._jobs.cascade(index, done, req.req_id, now)) is not None
+                    ]
+                )
             if self._requests.ended(req.req_id):
                 self._finish_request(req.req_id)
             # Lookups that saw these keys pending may be waiting for them.
             self._completions.notify()
-
-    def _cascade(self, keys: list[OffloadKey], req_id: str) -> None:
-        assert self._loop is not None
-        now = time.perf_counter()
-        for state in self._tiers:
-            job = self._jobs.cascade(state, keys, req_id, now)
-            if job is not None:
-                self._loop.call(state.runner.launch_job, job, now)
 
     def _evicted(self, keys: Sequence[OffloadKey]) -> None:
         if keys:
@@ -358,20 +367,20 @@ class TieringOffloadingManager(AsyncResource):
         """A request entered the scheduler."""
 
     def on_request_finished(self, req: ReqContext) -> None:
-        """A request left the scheduler: its promotions not yet sent and the chunks kept
-        for it go now; tiers hear of it once its stores and promotions ended."""
+        """A request left the scheduler: its promotions not yet sent and the slots it
+        holds go now; tiers hear of it once its stores and promotions ended."""
         with self.lock:
             req_id = req.req_id
             self._promotions.drop_request(req_id)
-            reserved = self._requests.take_reserved(req_id)
-            if reserved:
-                self.primary.complete_load(reserved)
+            self._ledger.release_all(Holder.reserved(req_id))
+            self._ledger.release_all(Holder.request(req_id))
             if self._requests.finish(req_id):
                 self._finish_request(req_id)
+            self._completions.notify()
 
     def _finish_request(self, req_id: str) -> None:
         for state in self._tiers:
-            state.forget_request(req_id)
+            state.lookups.forget_request(req_id)
             state.tier.on_request_finished(req_id)
 
     # ----------------------------------------------------------------- steps
@@ -388,19 +397,30 @@ class TieringOffloadingManager(AsyncResource):
     def _launch_step(self) -> None:
         if not self._tiers or self._life.closed:
             return
-        launches: list[Launch] = []
         now = time.perf_counter()
-        for state in self._tiers:
-            batch = state.take_queued()
+        lookups: list[tuple[int, tuple[OffloadKey, ...]]] = []
+        jobs: list[tuple[int, TransferJob]] = []
+        for index, state in enumerate(self._tiers):
+            batch = state.lookups.take_queued()
             if batch is not None:
-                launches.append((state.runner.launch_lookup, (batch,)))
-            self._promotions.end_step(state, now, launches)
-        self._launch(launches)
+                lookups.append((index, batch))
+            jobs.extend((index, job) for job in self._promotions.end_step(index, now))
+        self._launch(jobs, lookups)
 
-    def _launch(self, launches: list[Launch]) -> None:
-        if launches:
-            assert self._loop is not None
-            self._loop.call(_launch_all, launches)
+    def _launch(
+        self,
+        jobs: list[tuple[int, TransferJob]],
+        lookups: Sequence[tuple[int, tuple[OffloadKey, ...]]] = (),
+    ) -> None:
+        """Hand jobs and lookup batches to the tier loop: the one way work gets there."""
+        if not jobs and not lookups:
+            return
+        for _, job in jobs:
+            if job.is_promotion:
+                self._requests.started(job.req_id)
+        assert self._loop is not None
+        runners = [state.runner for state in self._tiers]
+        self._loop.call(_launch_all, runners, jobs, lookups, time.perf_counter())
 
     def take_events(self) -> list[OffloadingEvent]:
         """Store and removal events since the last call: primary first, then each tier."""
@@ -411,18 +431,24 @@ class TieringOffloadingManager(AsyncResource):
             return events
 
     def has_pending_work(self) -> bool:
+        """Whether any job or lookup is queued or in flight, or a job that timed out
+        still runs (its slots come back when it ends)."""
+        with self.lock:
+            return self._busy() or bool(self._jobs.late)
+
+    def _busy(self) -> bool:
         """Whether any job or lookup is queued or in flight."""
         with self.lock:
-            return bool(self._jobs) or any(state.busy for state in self._tiers)
+            return bool(self._jobs) or any(
+                state.lookups.busy or self._promotions.busy(index)
+                for index, state in enumerate(self._tiers)
+            )
 
     # ------------------------------------------------------------ completions
 
-    def _promotion_ended(self, req_id: str, promoted: list[OffloadKey]) -> None:
-        # Keep what was promoted for the request that asked, until it loads or finishes.
-        if promoted and self._requests.reserve(req_id, promoted):
-            self.primary.prepare_read(promoted)
-        if self._requests.ended(req_id):
-            self._finish_request(req_id)
+    def _poll(self) -> None:
+        if self._pending:
+            self._drain()
 
     def _drain(self) -> None:
         promotions_ended = False
@@ -435,65 +461,82 @@ class TieringOffloadingManager(AsyncResource):
         """Apply one outcome; whether it let a promotion job of its tier go."""
         match outcome:
             case JobOutcome():
-                promoted = self._jobs.finished(outcome)
-                if promoted is not None:
-                    self._promotion_ended(outcome.job.req_id, promoted)
-                return outcome.job.is_promotion and outcome.released
+                ended = self._jobs.finished(outcome)
+                if ended is None:
+                    return False
+                if ended.failed:
+                    self._tiers[ended.tier].lookups.forget_hits(ended.failed, ended.req_id)
+                if ended.loaded and self._requests.live(ended.req_id):
+                    # Kept for the request that asked until it loads them or finishes.
+                    self._ledger.pin(ended.loaded, Holder.reserved(ended.req_id))
+                if self._requests.ended(ended.req_id):
+                    self._finish_request(ended.req_id)
+                return True
             case LookupOutcome():
-                self._tiers[outcome.runner].lookup_done(outcome)
+                self._tiers[outcome.runner].lookups.lookup_done(outcome)
             case JobReleased():
-                self._jobs.released(outcome)
-                return outcome.job.is_promotion
+                self._jobs.late_ended(outcome.job.job_id)
+                counters = self._tiers[outcome.runner].counts.counters
+                counters[Names.LATE_COMPLETIONS] += 1
+                if self._ledger.io_ended(outcome.job.job_id):
+                    self._settle_later()
+            case SettleSlots():
+                self._settling = False
+                if self._ledger.settle():
+                    self._settle_later()
             case PinRequest():
-                assert self._pins is not None
-                self._pins.serve_pin(outcome)
+                assert self._pin_service is not None
+                self._pin_service.serve_pin(outcome)
             case UnpinRequest():
-                assert self._pins is not None
-                self._pins.serve_unpin(outcome)
+                assert self._pin_service is not None
+                self._pin_service.serve_unpin(outcome)
         return False
+
+    def _settle_later(self) -> None:
+        """Look again soon whether late I/O still touches the slots kept for it."""
+        loop = self._loop
+        if self._settling or loop is None:
+            return
+        self._settling = True
+        post = self._completions.post
+        loop.call(loop.loop.call_later, _SETTLE_INTERVAL_S, post, SettleSlots())
 
     # ---------------------------------------------------------- async helpers
 
     async def wait_for_completions(self) -> None:
         """Resolve once a job, lookup or store finished (at once if one already has)."""
-        await self._completions.wait_for_any()
+        await self.host.wait_for_completions()
 
     def wait_for_completions_blocking(self, timeout: float | None = None) -> None:
         """:meth:`wait_for_completions` for a synchronous host's thread."""
-        self._completions.wait_for_any_blocking(timeout)
+        self.host.wait_for_completions_blocking(timeout)
 
     async def drain(self) -> None:
         """Send what the step queued, resolve once nothing is in flight, flush the metrics."""
-        await self._settle(include_pins=False)
+        await self.host.drain()
         with self.lock:
             self._report.flush()
 
-    async def _settle(self, *, include_pins: bool) -> None:
-        while True:
-            seq = self._completions.seq
-            if not self._step_and_check(include_pins):
-                return
-            await self._completions.wait(seq)
-
-    def _step_and_check(self, include_pins: bool) -> bool:
-        """Apply outcomes and send queued work; whether anything is still in flight."""
+    def _step_and_check(self, include_late: bool) -> bool:
+        """Apply outcomes and send queued work; whether anything is still in flight
+        (with ``include_late``, jobs that timed out and still run too)."""
         with self.lock:
             if self._pending:
                 self._drain()
             self._launch_step()
-            held = include_pins and self._pins is not None and self._pins.held
-            return self.has_pending_work() or held
+            return self.has_pending_work() if include_late else self._busy()
 
     # -------------------------------------------------------------- resetting
 
     def reset_cache(self, *, hold_busy_slots: bool = False) -> None:
         """Wait for every job in flight (none is aborted), then clear the primary tier.
 
-        Secondary tiers keep their data. With ``hold_busy_slots`` the slots that host
-        copies were still writing or reading (prepared and not completed) are not
-        reused until :meth:`on_reset_flushed`: a host that drops its copies' results at
-        a reset, as vLLM does, says that way when its copies have stopped. Blocks the
-        calling thread: an async host awaits :meth:`areset_cache` instead.
+        Secondary tiers keep their data. Slots that late I/O of a timed-out job may
+        still touch stay out of use until it stops. With ``hold_busy_slots`` the slots
+        that host copies were still writing or reading (prepared and not completed) are
+        not reused until :meth:`on_reset_flushed`: a host that drops its copies'
+        results at a reset, as vLLM does, says that way when its copies have stopped.
+        Blocks the calling thread: an async host awaits :meth:`areset_cache` instead.
         """
         self._life.block_on(lambda: self.areset_cache(hold_busy_slots=hold_busy_slots))
 
@@ -501,27 +544,24 @@ class TieringOffloadingManager(AsyncResource):
         """:meth:`reset_cache` for an async host."""
         with self.lock:
             self._promotions.drop_all()
-        await self._settle(include_pins=True)
+            for state in self._tiers:
+                state.lookups.drop_queued()
+        await self.host.settle(include_tier_pins=True, include_late=False)
         with self.lock:
-            self._reset(hold_busy_slots)
+            readable = self.primary.readable_keys()
+            if readable:
+                self._primary_removed(readable)
+            self._ledger.reset(hold_host_copies=hold_busy_slots)
+            for req_id in self._requests.reset():
+                self._finish_request(req_id)
+            for state in self._tiers:
+                state.lookups.clear_answers()
 
     def on_reset_flushed(self) -> None:
         """The host's copies in flight at the last reset have ended: reuse their slots."""
         with self.lock:
-            self.primary.release_held()
+            self._ledger.release_host_copies()
             self._completions.notify()
-
-    def _reset(self, hold_busy_slots: bool = False) -> None:
-        readable = self.primary.readable_keys()
-        if readable:
-            self._primary_removed(readable)
-        if self._pins is not None:
-            self._pins.forget()
-        self.primary.reset(hold_busy=hold_busy_slots)
-        for req_id in self._requests.reset():
-            self._finish_request(req_id)
-        for state in self._tiers:
-            state.answers.clear()
 
     # -------------------------------------------------------------- shutdown
 
@@ -551,8 +591,6 @@ class TieringOffloadingManager(AsyncResource):
         if self._region is not None:
             self._region.close()
 
-    # --------------------------------------------------------------- metrics
-
     def _flush_for_collection(self) -> None:
         """A metrics collection begins, on any thread: flush what this step counted so far.
 
@@ -563,35 +601,14 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             self._report.flush()
 
-    def tier_stats(self) -> dict[str, dict[str, float]]:
-        """Cumulative counts per tier label, for benchmarks and diagnostics."""
-        with self.lock:
-            return self._report.totals()
 
-    def promotion_latencies(self) -> dict[str, list[float]]:
-        """Measured promotion job latencies in seconds, by secondary tier label.
-
-        Each is one job's time from the lookup that found its first key in the tier
-        until its chunks were readable in the primary tier. A bounded uniform sample
-        (:class:`~kvtier.tiering.stats.Reservoir`): percentiles taken from it are
-        measured times, not the edges of histogram buckets.
-        """
-        return self._measured(Names.PROMOTION_LATENCY)
-
-    def promotion_job_times(self) -> dict[str, list[float]]:
-        """Measured promotion job times in seconds, by secondary tier label.
-
-        Each is one job's time from its start on the tier until its chunks were
-        readable: :meth:`promotion_latencies` less the wait for a free job (see the
-        ``max_promotion_chunks`` setting). A bounded uniform sample, as there.
-        """
-        return self._measured(Names.PROMOTION_JOB_TIME)
-
-    def _measured(self, name: str) -> dict[str, list[float]]:
-        with self.lock:
-            return self._report.measured(name)
-
-
-def _launch_all(launches: list[Launch]) -> None:
-    for launch, args in launches:
-        launch(*args)
+def _launch_all(
+    runners: Sequence[TierRunner],
+    jobs: Sequence[tuple[int, TransferJob]],
+    lookups: Sequence[tuple[int, tuple[OffloadKey, ...]]],
+    submitted: float,
+) -> None:
+    for index, batch in lookups:
+        runners[index].launch_lookup(batch)
+    for index, job in jobs:
+        runners[index].launch_job(job, submitted)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from kvtier.keys import OffloadKey
+from kvtier.tiering.ledger import Holder
 from kvtier.tiers.base import JobResult, TransferJob
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "LookupOutcome",
     "Outcome",
     "PinRequest",
+    "SettleSlots",
     "UnpinRequest",
 ]
 
@@ -50,16 +52,22 @@ class JobOutcome:
 
 @dataclass(frozen=True, slots=True)
 class JobReleased:
-    """A timed-out job's I/O has stopped: its slots are free to reuse."""
+    """The coroutine of a job that timed out has returned (a late completion)."""
 
     runner: int
     job: TransferJob
 
 
 @dataclass(frozen=True, slots=True)
+class SettleSlots:
+    """Time to look again whether late I/O still touches the slots kept for it."""
+
+
+@dataclass(frozen=True, slots=True)
 class PinRequest:
     """A tier asks to pin readable primary slots by key (pinned reads, p2p)."""
 
+    holder: Holder
     keys: tuple[OffloadKey, ...]
     future: asyncio.Future[dict[OffloadKey, memoryview]]
 
@@ -68,7 +76,10 @@ class PinRequest:
 class UnpinRequest:
     """A tier releases pins a :class:`PinRequest` took."""
 
+    holder: Holder
     keys: tuple[OffloadKey, ...]
 
 
-Outcome = Union[LookupOutcome, JobOutcome, JobReleased, PinRequest, UnpinRequest]  # noqa: UP007 - a runtime alias on Python 3.10
+Outcome = Union[  # noqa: UP007 - a runtime alias on Python 3.10
+    LookupOutcome, JobOutcome, JobReleased, PinRequest, UnpinRequest, SettleSlots
+]

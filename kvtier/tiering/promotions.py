@@ -4,27 +4,70 @@ A secondary-tier hit allocates its slot at once, so a key is promoted once, and 
 the key for its (tier, request). The end of the step seals the step's promotions; they
 then start as jobs, one per (tier, request), oldest hit first, while the tier's chunk
 budget (``max_promotion_chunks``) allows, and each finished job lets the next ones go.
-Everything here runs under the manager's lock.
+This module is the only one that changes the promotion queue. Everything here runs
+under the manager's lock.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import Names
 from kvtier.primary import PrimaryTier
 from kvtier.tiering.jobs import JobTable
-from kvtier.tiering.lookups import Promotion, TierState
-from kvtier.tiering.requests import RequestTable
 from kvtier.tiering.stats import Counts
+from kvtier.tiers.base import TransferJob
 
-__all__ = ["Launch", "Promotions"]
+__all__ = ["Promotions"]
 
-#: A call to make on the tier loop, with its arguments.
-Launch = tuple[Callable[..., None], tuple[Any, ...]]
+
+@dataclass(slots=True)
+class _Queued:
+    """Keys a request will promote from one tier, with the slots allocated for them."""
+
+    keys: list[OffloadKey] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    since: float = 0.0
+
+
+class _TierQueue:
+    """One tier's promotions: this step's, and those of past steps waiting for a job."""
+
+    __slots__ = ("budget", "step", "waiting")
+
+    def __init__(self, budget: int | None) -> None:
+        self.budget = budget
+        self.step: dict[str, _Queued] = {}
+        #: Oldest first.
+        self.waiting: dict[str, _Queued] = {}
+
+    def seal(self) -> None:
+        for req_id, queued in self.step.items():
+            earlier = self.waiting.get(req_id)
+            if earlier is None:
+                self.waiting[req_id] = queued
+            else:
+                earlier.keys.extend(queued.keys)
+                earlier.slots.extend(queued.slots)
+        self.step.clear()
+
+    def take(self, in_flight_chunks: int) -> list[tuple[str, _Queued]]:
+        """The waiting promotions that may start now, oldest first: while fewer than
+        ``budget`` chunks are being promoted, and always one if none is."""
+        if self.budget is None:
+            taken = list(self.waiting.items())
+            self.waiting.clear()
+            return taken
+        taken = []
+        while self.waiting and (in_flight_chunks < self.budget or in_flight_chunks == 0):
+            req_id = next(iter(self.waiting))
+            queued = self.waiting.pop(req_id)
+            taken.append((req_id, queued))
+            in_flight_chunks += len(queued.keys)
+        return taken
 
 
 class Promotions:
@@ -34,67 +77,76 @@ class Promotions:
         self,
         primary: PrimaryTier,
         jobs: JobTable,
-        requests: RequestTable,
         counts: Counts,
-        evicted: Callable[[Sequence[OffloadKey]], None],
-        tiers: Sequence[TierState],
+        budgets: Sequence[int | None],
     ) -> None:
         self._primary = primary
-        self._tiers = tiers
         self._jobs = jobs
-        self._requests = requests
         self._counts = counts
-        self._evicted = evicted
+        self._queues = [_TierQueue(budget) for budget in budgets]
+
+    def busy(self, tier: int) -> bool:
+        """Whether promotions of ``tier`` are queued or waiting for a job."""
+        queue = self._queues[tier]
+        return bool(queue.step or queue.waiting)
 
     def begin(
         self,
-        state: TierState,
+        tier: int,
         key: OffloadKey,
         req_id: str,
         protected: Collection[OffloadKey] | None,
-    ) -> bool:
-        """Allocate a slot for ``key`` and queue it; False (counted) if there is none.
+    ) -> list[OffloadKey] | None:
+        """Allocate a slot for ``key`` and queue it; the keys evicted for the slot, or
+        None (counted) if there is no slot.
 
         Eviction spares ``protected``: the prefix the lookup is resolving.
         """
         out = self._primary.prepare_write([key], protected)
         if out is None or not out.keys_to_store:
             self._counts.counters[Names.PROMOTION_ALLOCATION_FAILURES] += 1
-            return False
-        self._evicted(out.evicted_keys)
-        promotion = state.promotions.get(req_id)
-        if promotion is None:
-            promotion = state.promotions[req_id] = Promotion(since=time.perf_counter())
-        promotion.keys.append(key)
-        promotion.slots.append(out.store_spec.chunk_ids[0])
-        return True
+            return None
+        step = self._queues[tier].step
+        queued = step.get(req_id)
+        if queued is None:
+            queued = step[req_id] = _Queued(since=time.perf_counter())
+        queued.keys.append(key)
+        queued.slots.append(out.store_spec.chunk_ids[0])
+        return out.evicted_keys
 
-    def end_step(self, state: TierState, now: float, launches: list[Launch]) -> None:
-        """The step ended: its promotions join the waiting ones; start what may start."""
-        state.seal_promotions()
-        self._start(state, now, launches)
+    def end_step(self, tier: int, now: float) -> list[TransferJob]:
+        """The step ended: its promotions join the waiting ones; the jobs that start."""
+        self._queues[tier].seal()
+        return self._start(tier, now)
 
-    def start_waiting(self, now: float) -> list[Launch]:
+    def start_waiting(self, now: float) -> list[tuple[int, TransferJob]]:
         """Promotion jobs ended: the waiting promotions that may start now."""
-        launches: list[Launch] = []
-        for state in self._tiers:
-            if state.ready:
-                self._start(state, now, launches)
-        return launches
+        return [
+            (tier, job)
+            for tier, queue in enumerate(self._queues)
+            if queue.waiting
+            for job in self._start(tier, now)
+        ]
 
     def drop_request(self, req_id: str) -> None:
         """The request finished: its promotions not started yet free their slots."""
-        for state in self._tiers:
-            for promotion in state.drop_promotions(req_id):
-                self._primary.complete_write(promotion.keys, False)
+        for queue in self._queues:
+            for queued in (queue.step.pop(req_id, None), queue.waiting.pop(req_id, None)):
+                if queued is not None:
+                    self._primary.complete_write(queued.keys, False)
 
     def drop_all(self) -> None:
-        """Drop every lookup and promotion not sent yet: their slots were never written."""
-        for state in self._tiers:
-            for promotion in state.drop_queued():
-                self._primary.complete_write(promotion.keys, False)
+        """Drop every promotion not sent yet: their slots were never written."""
+        for queue in self._queues:
+            for queued in (*queue.step.values(), *queue.waiting.values()):
+                self._primary.complete_write(queued.keys, False)
+            queue.step.clear()
+            queue.waiting.clear()
 
-    def _start(self, state: TierState, now: float, launches: list[Launch]) -> None:
-        for job in self._jobs.promotions(state, now):
-            self._requests.started(job.req_id)
-            launches.append((state.runner.launch_job, (job, now)))
+    def _start(self, tier: int, now: float) -> list[TransferJob]:
+        jobs = self._jobs
+        in_flight = jobs.in_flight[tier].promotion_chunks
+        return [
+            jobs.promotion(tier, queued.keys, queued.slots, req_id, queued.since, now)
+            for req_id, queued in self._queues[tier].take(in_flight)
+        ]

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 
 from kvtier.metrics import MetricsRecorder, Names
 from kvtier.primary import PRIMARY_LABEL, PrimaryTier
-from kvtier.tiering.lookups import TierState
+from kvtier.tiering.jobs import InFlight
+from kvtier.tiering.ledger import SlotLedger
+from kvtier.tiering.state import TierState
 from kvtier.tiering.stats import Counts, tier_totals
 
 __all__ = ["FLUSH_INTERVAL_S", "Reporting"]
@@ -29,11 +31,18 @@ class Reporting:
     """The primary tier's and the manager's own counts, and every tier's, flushed."""
 
     def __init__(
-        self, metrics: MetricsRecorder, primary: PrimaryTier, tiers: Sequence[TierState]
+        self,
+        metrics: MetricsRecorder,
+        primary: PrimaryTier,
+        ledger: SlotLedger,
+        tiers: Sequence[TierState],
+        in_flight: Sequence[InFlight],
     ) -> None:
         self.metrics = metrics
         self._primary = primary
+        self._ledger = ledger
         self._tiers = tiers
+        self._in_flight = in_flight
         #: Counts of the primary tier, and of the manager's unlabelled metrics.
         self.primary_counts = Counts(PRIMARY_LABEL)
         self.counts = Counts()
@@ -45,10 +54,12 @@ class Reporting:
         metrics = self.metrics
         primary = self._primary
         metrics.set(Names.CPU_CACHE_USAGE_PERC, primary.num_busy / primary.num_chunks)
+        if self._tiers:
+            metrics.set(Names.QUARANTINED_SLOTS, self._ledger.quarantined)
         self.counts.flush(metrics)
         self.primary_counts.flush(metrics)
-        for state in self._tiers:
-            state.flush(metrics, primary.num_chunks)
+        for state, in_flight in zip(self._tiers, self._in_flight, strict=True):
+            state.flush(metrics, in_flight, primary.num_chunks)
 
     def flush_if_due(self) -> None:
         if time.perf_counter() - self._flushed_at >= FLUSH_INTERVAL_S:

@@ -1,17 +1,13 @@
-"""What the manager holds per request: work in flight, and promoted chunks kept for it.
+"""Work in flight per request, and finishes deferred until it ends.
 
 Tiers hear that a request finished only once none of its stores or promotions is in
 flight: a tier that forgets a request's state on "finished" must not see its work
-afterwards. A chunk promoted for a request stays pinned for it (reserved) until the
-request loads it or finishes, so other requests cannot evict it in between.
+afterwards. (The primary slots a request holds are the slot ledger's business.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-
-from kvtier.keys import OffloadKey
+from dataclasses import dataclass
 
 __all__ = ["RequestTable"]
 
@@ -20,12 +16,10 @@ __all__ = ["RequestTable"]
 class _Request:
     pending: int = 0
     finished: bool = False
-    #: Promoted keys pinned for the request, with how many pins each.
-    reserved: dict[OffloadKey, int] = field(default_factory=dict)
 
 
 class RequestTable:
-    """Work in flight and reservations per request; finishes deferred until work ends."""
+    """Work in flight per request; finishes deferred until the work ends."""
 
     def __init__(self) -> None:
         self._requests: dict[str, _Request] = {}
@@ -48,6 +42,11 @@ class RequestTable:
             return True
         return False
 
+    def live(self, req_id: str) -> bool:
+        """Whether the request has work in flight and has not finished."""
+        request = self._requests.get(req_id)
+        return request is not None and not request.finished
+
     def finish(self, req_id: str) -> bool:
         """Whether the request can be finished now (else once its work ends)."""
         request = self._requests.get(req_id)
@@ -57,44 +56,9 @@ class RequestTable:
         self._requests.pop(req_id, None)
         return True
 
-    def reserve(self, req_id: str, keys: Iterable[OffloadKey]) -> bool:
-        """Record pins taken for a live request; False (record nothing) if it finished."""
-        request = self._requests.get(req_id)
-        if request is None or request.finished:
-            return False
-        reserved = request.reserved
-        for key in keys:
-            reserved[key] = reserved.get(key, 0) + 1
-        return True
-
-    def claim(self, req_id: str, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """The request pins ``keys`` itself now: the reservations among them, removed."""
-        request = self._requests.get(req_id)
-        if request is None or not request.reserved:
-            return []
-        reserved = request.reserved
-        claimed: list[OffloadKey] = []
-        for key in keys:
-            count = reserved.get(key, 0)
-            if count:
-                claimed.append(key)
-                if count == 1:
-                    del reserved[key]
-                else:
-                    reserved[key] = count - 1
-        return claimed
-
-    def take_reserved(self, req_id: str) -> list[OffloadKey]:
-        """Every reservation of the request, removed (one entry per pin)."""
-        request = self._requests.get(req_id)
-        if request is None or not request.reserved:
-            return []
-        reserved, request.reserved = request.reserved, {}
-        return [key for key, count in reserved.items() for _ in range(count)]
-
     def reset(self) -> list[str]:
-        """Forget every request (the primary tier is emptied, reservations with it);
-        returns those whose finish was waiting for their work."""
+        """Forget every request (the primary tier is emptied); returns those whose
+        finish was waiting for their work."""
         deferred = [req_id for req_id, request in self._requests.items() if request.finished]
         self._requests.clear()
         return deferred

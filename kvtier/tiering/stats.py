@@ -109,6 +109,7 @@ TOTALS = (
     ("stores_dropped", Names.BACKPRESSURE_STORES_DROPPED),
     ("promotion_failures", Names.PROMOTION_JOB_FAILURES),
     ("cascade_failures", Names.CASCADE_JOB_FAILURES),
+    ("late_completions", Names.LATE_COMPLETIONS),
 )
 
 

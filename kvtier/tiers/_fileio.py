@@ -7,7 +7,6 @@ its file and the region's slot (DESIGN section 11: no aiofiles on the data path,
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import mmap
 import os
@@ -38,22 +37,29 @@ async def in_threads(
 
     A thread that moves several chunks back to back keeps the disk busy without a trip
     through the event loop between chunks. Every thread call has ended when this
-    returns or raises, so no slot is read or written after the job is over.
+    returns or raises, cancelled included: the runs are tasks of an anyio task group,
+    whose cancellation waits for each ``to_thread.run_sync`` call to return (asyncio's
+    ``gather`` would cancel the awaiting tasks and leave their threads writing into
+    slots that the job no longer owns).
     """
     if not items:
         return []
     count = min(depth, len(items))
     size, extra = divmod(len(items), count)
     bounds = [i * size + min(i, extra) for i in range(count + 1)]
-    outcomes = await asyncio.gather(
-        *(
-            anyio.to_thread.run_sync(work, items[start:end], limiter=limiter)
-            for start, end in itertools.pairwise(bounds)
-        ),
-        return_exceptions=True,
-    )
+    runs: list[list[_Result] | BaseException] = [[] for _ in range(count)]
+
+    async def run(index: int, part: list[_Item]) -> None:
+        try:
+            runs[index] = await anyio.to_thread.run_sync(work, part, limiter=limiter)
+        except Exception as exc:  # the first failure is raised below, after every run
+            runs[index] = exc
+
+    async with anyio.create_task_group() as group:
+        for index, (start, end) in enumerate(itertools.pairwise(bounds)):
+            group.start_soon(run, index, items[start:end])
     results: list[_Result] = []
-    for outcome in outcomes:
+    for outcome in runs:
         if isinstance(outcome, BaseException):
             raise outcome
         results.extend(outcome)

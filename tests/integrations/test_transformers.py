@@ -192,10 +192,10 @@ async def test_a_prefix_comes_back_from_the_fs_tier_after_a_reset(
         await serve(prefix, model, tokens)
         await kv.drain()
         await kv.reset()
-        assert kv.manager.readable_prefix(prefix.keys(tokens)) == 0
+        assert kv.manager.host.readable_prefix(prefix.keys(tokens)) == 0
         question = tokens + prompt(15, seed=4)
         cached, out, restored = await serve(prefix, model, question)
-        fs_hits = kv.manager.tier_stats()["1:fs"]["hits"]
+        fs_hits = kv.manager.diagnostics.tier_stats()["1:fs"]["hits"]
     assert cached == 192
     assert fs_hits >= 6
     assert_kv_equal(restored, computed_kv(model, tokens), 192)

@@ -94,7 +94,7 @@ def test_out_of_tree_tier_is_imported_by_module_path(engine_id):
     spec = spec_for(engine_id, [scripted("oot")])
     manager = spec.get_manager()
     assert isinstance(manager.tiers[0], ScriptedTier)
-    assert manager.tier_labels == ["1:ScriptedTier"]
+    assert manager.diagnostics.tier_labels == ["1:ScriptedTier"]
     spec.shutdown()
 
 
@@ -102,7 +102,7 @@ def test_registered_tier_is_selected_by_name(engine_id):
     SecondaryTierFactory.register_tier("scripted-registered", "scripted_tier", "ScriptedTier")
     spec = spec_for(engine_id, [{"type": "scripted-registered", "tag": "reg", "name": "mine"}])
     manager = spec.get_manager()
-    assert manager.tier_labels == ["1:mine"]
+    assert manager.diagnostics.tier_labels == ["1:mine"]
     spec.shutdown()
 
 

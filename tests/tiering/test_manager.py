@@ -209,7 +209,7 @@ async def test_a_failing_tier_is_a_counted_miss_not_an_error(engine_id, caplog):
         label = {"tier": "1:ScriptedTier"}
         assert manager.metrics.sample(f"{Names.CASCADE_JOB_FAILURES}_total", label) == 1
         assert "cascade job" in caplog.text and "scripted store failure" in caplog.text
-        tier.chunks[key] = b"\0" * manager.primary.num_chunks
+        tier.chunks[key] = b"\0" * manager.host.num_chunks
         tier.fail_loads = True
         await evict_all(manager, 4)
         req = ReqContext("r")
@@ -410,11 +410,11 @@ async def test_a_prefix_lookup_never_evicts_the_prefix_it_resolves(engine_id):
         resident = [key for key in first if manager.primary.slot_of(key) is not None]
         assert resident == first[4:]  # the oldest chunks went first
         req = ReqContext("again")
-        found = manager.lookup_prefix(first, req)
+        found = manager.host.lookup_prefix(first, req)
         assert found.pending and list(found.pinned) == first[4:]
         manager.on_schedule_end()
         await settle(manager)
-        found = manager.lookup_prefix(first, req, held=found.pinned)
+        found = manager.host.lookup_prefix(first, req)
         assert not found.pending and list(found.pinned) == first[:4]
         assert [key for job in tier.load_jobs for key in job.keys] == first[:4]
         manager.complete_load(first, req)
@@ -493,5 +493,5 @@ async def test_a_lookup_that_times_out_is_a_miss_counted_as_a_lookup_failure(eng
         tier.gate.set()
         assert await resolve(manager, answered, reader) is MISS  # answered: not there
         manager.on_schedule_end()
-        stats = manager.tier_stats()[manager.tier_labels[0]]
+        stats = manager.diagnostics.tier_stats()[manager.diagnostics.tier_labels[0]]
         assert (stats["queries"], stats["lookup_failures"], stats["hits"]) == (2, 1, 0)

@@ -66,17 +66,17 @@ async def test_promotion_latencies_are_one_measured_time_per_job(engine_id):
             await manager.wait_for_completions()
         else:
             raise AssertionError("the promotions never finished")
-        label = manager.tier_labels[0]
-        before_flush = manager.promotion_latencies()[label]
+        label = manager.diagnostics.tier_labels[0]
+        before_flush = manager.diagnostics.promotion_latencies()[label]
         manager.on_schedule_end()
-        latencies = manager.promotion_latencies()[label]
+        latencies = manager.diagnostics.promotion_latencies()[label]
         jobs = ScriptedTier.instances["timed"].load_jobs
         assert len(jobs) == 2
         assert len(latencies) == len(before_flush) == 2  # flushed or not, counted once
         assert sorted(latencies) == sorted(before_flush)
         assert all(latency >= delay for latency in latencies)
         # A job's own time starts when it went to the tier: within its latency.
-        job_times = manager.promotion_job_times()[label]
+        job_times = manager.diagnostics.promotion_job_times()[label]
         assert len(job_times) == 2
         assert all(delay <= job_time for job_time in job_times)
         assert sum(job_times) <= sum(latencies)

@@ -119,19 +119,19 @@ def test_reset_with_a_store_in_flight_reuses_its_slots_only_once_flushed(make_en
     out = engine.scheduler.schedule()  # builds its store jobs: slots are being written
     jobs = engine.connector.connector_scheduler._jobs
     assert any(job.is_store for job in jobs.values())
-    primary = engine.manager.kvtier.primary
+    diagnostics = engine.manager.kvtier.diagnostics
     assert engine.scheduler.reset_connector_cache()
-    assert primary.num_held == 6
+    assert diagnostics.quarantined_slots == 6
     engine.finish_step(out)
     connector_scheduler = engine.connector.connector_scheduler
     for _ in range(3):
-        if not primary.num_held:
+        if not diagnostics.quarantined_slots:
             break
         # vLLM still waits for the workers to report the flushed store (they may be
         # writing the held slots right now): kvtier hands none of them out.
         assert connector_scheduler._reset_fence
         engine.step()
-    assert primary.num_held == 0
+    assert diagnostics.quarantined_slots == 0
     engine.run()
     engine.wipe_gpu()
     engine.add("again", [*shared, 9, 9])

@@ -1,0 +1,142 @@
+"""What an async host needs of the manager beyond the scheduler protocol.
+
+The :class:`~kvtier.KVTier` facade and hosts like it look a whole prefix up at once,
+wait for tier work without polling, and know how big the primary tier is. Every call
+here runs under the manager's lock, as the scheduler protocol's do, and the slots a
+request holds are the slot ledger's record, so a host keeps no ledger of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from kvtier.keys import OffloadKey
+from kvtier.primary import PrimaryTier
+from kvtier.records import LookupResult, ReqContext
+from kvtier.tiering.completions import CompletionQueue
+from kvtier.tiering.ledger import Holder, SlotLedger
+from kvtier.tiering.lookups import PrefixLookup
+
+__all__ = ["HostAccess"]
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+
+_Lookup = Callable[[OffloadKey, str, "Collection[OffloadKey] | None"], LookupResult]
+
+
+class HostAccess:
+    """The manager's face for an async host: prefixes, pins held, waiting."""
+
+    def __init__(
+        self,
+        lock: AbstractContextManager[Any],
+        poll: Callable[[], None],
+        lookup: _Lookup,
+        ledger: SlotLedger,
+        primary: PrimaryTier,
+        completions: CompletionQueue,
+        step: Callable[[bool], bool],
+        *,
+        has_tiers: bool,
+    ) -> None:
+        self._lock = lock
+        self._poll = poll
+        self._lookup = lookup
+        self._ledger = ledger
+        self._primary = primary
+        self._completions = completions
+        self._step = step
+        self._has_tiers = has_tiers
+
+    @property
+    def num_chunks(self) -> int:
+        """Slots of the primary tier."""
+        return self._primary.num_chunks
+
+    def lookup_prefix(self, keys: Sequence[OffloadKey], req: ReqContext) -> PrefixLookup:
+        """Look a whole prefix up in one call, pinning what is readable for the request.
+
+        Walks ``keys`` in order, skipping those the request pins already, up to the
+        first key no tier holds. Keys readable now are pinned for the request (each
+        released by :meth:`~TieringOffloadingManager.complete_load`, or all at once
+        when the request finishes); keys on their way (being written, promoted or
+        asked) make the answer pending. Promotions started here never evict a key of
+        ``keys``.
+        """
+        with self._lock:
+            self._poll()
+            req_id = req.req_id
+            holder = Holder.request(req_id)
+            held = self._ledger.holds
+            prefix = set(keys) if self._has_tiers else None
+            readable: list[OffloadKey] = []
+            pending = False
+            for key in keys:
+                if held(holder, key):
+                    continue
+                result = self._lookup(key, req_id, prefix)
+                if result is _HIT:
+                    readable.append(key)
+                elif result is _MISS:
+                    break
+                else:
+                    pending = True
+            pinned: dict[OffloadKey, int] = {}
+            if readable:
+                reserved = Holder.reserved(req_id)
+                taken = set(self._ledger.transfer(readable, reserved, holder))
+                rest = [key for key in readable if key not in taken]
+                self._ledger.pin(rest, holder)
+                slot_of = self._primary.slot_of
+                pinned = {key: slot for key in readable if (slot := slot_of(key)) is not None}
+            return PrefixLookup(pinned, pending)
+
+    def held(self, req: ReqContext) -> dict[OffloadKey, int]:
+        """The keys the request pins, with their slots."""
+        with self._lock:
+            return self._ledger.held(Holder.request(req.req_id))
+
+    def release_except(self, req: ReqContext, keep: Collection[OffloadKey]) -> None:
+        """Release the request's pins on every key not in ``keep``."""
+        with self._lock:
+            holder = Holder.request(req.req_id)
+            stray = [key for key in self._ledger.held(holder) if key not in keep]
+            while stray:
+                stray = self._ledger.release_held(stray, holder)
+            self._completions.notify()
+
+    def readable_prefix(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading ``keys`` are readable in the primary tier right now."""
+        with self._lock:
+            self._poll()
+            return self._primary.readable_prefix(keys)
+
+    async def wait_for_completions(self) -> None:
+        """Resolve once a job, lookup or store finished (at once if one already has)."""
+        await self._completions.wait_for_any()
+
+    def wait_for_completions_blocking(self, timeout: float | None = None) -> None:
+        """:meth:`wait_for_completions` for a synchronous host's thread."""
+        self._completions.wait_for_any_blocking(timeout)
+
+    async def drain(self) -> None:
+        """Send what the step queued and resolve once nothing is in flight, jobs that
+        timed out and still run included."""
+        await self.settle(include_tier_pins=False, include_late=True)
+
+    async def settle(self, *, include_tier_pins: bool, include_late: bool) -> None:
+        """Resolve once no job or lookup is in flight; with ``include_tier_pins`` once
+        no tier pins a slot either, with ``include_late`` once no job that timed out
+        still runs."""
+        while True:
+            seq = self._completions.seq
+            busy = self._step(include_late)
+            if include_tier_pins and not busy:
+                with self._lock:
+                    busy = self._ledger.any_pins("tier")
+            if not busy:
+                return
+            await self._completions.wait(seq)
