@@ -213,4 +213,4 @@ class TierState:
             metrics.set(Names.BACKPRESSURE_STORE_LATENCY_EMA, self.backpressure.ema, label)
             stores, blocks = self.backpressure.take_dropped()
             metrics.inc(Names.BACKPRESSURE_STORES_DROPPED, stores, label)
-            metrics.inc(Names.BACKPRESSURE_BLOCKS_DROPPED, blocks, label)
+            metrics.inc(Names.BACKPRESSURE_CHUNKS_DROPPED, blocks, label)
