@@ -53,7 +53,7 @@ from kvtier import (
     make_offload_key,
 )
 from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, create_bucket
-from kvtier.tiers._format import HEADER_BYTES
+from kvtier.format import HEADER_BYTES
 from kvtier.tiers.s3 import S3Tier
 
 MIB = 1 << 20

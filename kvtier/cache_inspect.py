@@ -1,18 +1,20 @@
-"""What an fs tier's ``root_dir`` holds, and whether every chunk file is sound."""
+"""What an fs tier's ``root_dir`` holds, and whether every chunk file is sound.
+
+It reads the layout and the chunks through :mod:`kvtier.format` only, as any tool
+outside kvtier would.
+"""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
-from kvtier.tiers._store import (
+from kvtier.format import (
+    CHUNK_SUFFIX,
     NAMESPACE_FILE,
-    SUFFIX,
     TEMP_SUFFIX,
+    ChunkFormat,
     NamespaceDescription,
-    key_of,
 )
 
 __all__ = ["NamespaceReport", "hint", "inspect_root"]
@@ -60,7 +62,7 @@ def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
             if path.name.endswith(TEMP_SUFFIX):
                 report.temporary_files += 1
                 continue
-            if not path.name.endswith(SUFFIX):
+            if not path.name.endswith(CHUNK_SUFFIX):
                 continue
             report.chunks += 1
             report.bytes += path.stat().st_size
@@ -120,14 +122,4 @@ def _description(directory: Path) -> NamespaceDescription | None:
 def _verify(path: Path, chunk_format: ChunkFormat | None, chunk_bytes: int | None) -> str | None:
     if chunk_format is None or chunk_bytes is None:
         return "namespace.json does not describe the chunks"
-    key = key_of(path.name)
-    if key is None:
-        return "file name is not a key"
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        return f"unreadable: {os.strerror(exc.errno or 0)}"
-    if len(data) != HEADER_BYTES + chunk_bytes:
-        return f"{len(data)} bytes, expected {HEADER_BYTES + chunk_bytes}"
-    view = memoryview(data)
-    return chunk_format.verify(view[:HEADER_BYTES], key, view[HEADER_BYTES:])
+    return chunk_format.verify_file(path, chunk_bytes)

@@ -91,7 +91,7 @@ class Names:
     ACTIVE_CASCADE_JOBS = "kvtier_tiering_active_cascade_jobs"
     BACKPRESSURE_STORE_LATENCY_EMA = "kvtier_tiering_backpressure_store_latency_ema"
     BACKPRESSURE_STORES_DROPPED = "kvtier_tiering_backpressure_stores_dropped"
-    BACKPRESSURE_BLOCKS_DROPPED = "kvtier_tiering_backpressure_blocks_dropped"
+    BACKPRESSURE_CHUNKS_DROPPED = "kvtier_tiering_backpressure_chunks_dropped"
     PROMOTION_LATENCY = "kvtier_tiering_promotion_latency_seconds"
     PROMOTION_JOB_TIME = "kvtier_tiering_promotion_job_seconds"
     INTEGRITY_FAILURES = "kvtier_tiering_integrity_failures"
@@ -182,7 +182,7 @@ def tiering_metric_definitions() -> dict[str, MetricDefinition]:
         Names.BACKPRESSURE_STORES_DROPPED: CounterDef(
             "Cascade jobs dropped because their tier was under back-pressure, by tier.", _TIER
         ),
-        Names.BACKPRESSURE_BLOCKS_DROPPED: CounterDef(
+        Names.BACKPRESSURE_CHUNKS_DROPPED: CounterDef(
             "Chunks of cascade jobs dropped under back-pressure, by tier.", _TIER
         ),
         Names.PROMOTION_LATENCY: HistogramDef(

@@ -16,11 +16,11 @@ from typing import Any
 import anyio
 
 from kvtier._secrets import Secret
+from kvtier.format import ChunkFormat
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricsRecorder
 from kvtier.region import PrimaryView
 from kvtier.resources import resolve_threadsafe
-from kvtier.tiers._format import ChunkFormat
 from kvtier.tiers.base import JobResult, PrimaryAccess, TierContext, TransferJob
 from kvtier.tiers.p2p import MemoryTransport, PeerTier
 from kvtier.tiers.p2p.channel import Channel

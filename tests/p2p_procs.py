@@ -23,8 +23,8 @@ from helpers import keys, tiering_config
 
 from kvtier import KVTier, OffloadingConfig, OffloadingSpecFactory
 from kvtier._secrets import Secret
+from kvtier.format import ChunkFormat
 from kvtier.metrics import Names
-from kvtier.tiers._format import ChunkFormat
 from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
 from kvtier.tiers.p2p.handshake import (
     PREAUTH_MAX_BODY,

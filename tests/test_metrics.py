@@ -153,11 +153,11 @@ async def test_after_drain_a_scrape_shows_backpressure_drops_and_the_average(eng
         stores = registry.get_sample_value(
             "kvtier_tiering_backpressure_stores_dropped_total", label
         )
-        blocks = registry.get_sample_value(
-            "kvtier_tiering_backpressure_blocks_dropped_total", label
+        chunks = registry.get_sample_value(
+            "kvtier_tiering_backpressure_chunks_dropped_total", label
         )
         average = registry.get_sample_value("kvtier_tiering_backpressure_store_latency_ema", label)
         assert stores is not None and stores >= 1
-        assert blocks == stores  # one chunk per store
+        assert chunks == stores  # one chunk per store
         assert average is not None and average > 0
         assert len(ScriptedTier.instances["scrape-pressure"].store_jobs) == 6 - stores

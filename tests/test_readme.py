@@ -96,6 +96,10 @@ def test_the_readme_examples_run_as_written(tmp_path, engine_id):
     # The async host's chunks and the scheduler's one all cascaded to the fs tier.
     assert len(namespace["keys"]) == 3
     assert len(list(root.rglob("*.kvt"))) == len(namespace["keys"]) + 1
+    # The chunk format section's reader finds each of them sound, the scheduler's among them.
+    found = dict(namespace["read_chunks"](root))
+    assert len(found) == len(namespace["keys"]) + 1
+    assert namespace["key"] in found
 
 
 def test_an_opted_out_block_is_not_run(tmp_path, monkeypatch):

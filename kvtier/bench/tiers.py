@@ -27,8 +27,8 @@ from kvtier.bench.registry import (
 )
 from kvtier.bench.services import local_s3_server, peer_engine
 from kvtier.bench.settings import MIB, BenchSettings
+from kvtier.format import HEADER_BYTES
 from kvtier.tiers import SecondaryTier
-from kvtier.tiers._format import HEADER_BYTES
 from kvtier.tiers.fs import FileSystemTier
 from kvtier.tiers.p2p import PeerTier
 from kvtier.tiers.s3 import S3Tier

@@ -95,7 +95,7 @@ class Backpressure:
         self._last_sample: float | None = None
         self._drop_debt = 0.0
         self.stores_dropped = 0
-        self.blocks_dropped = 0
+        self.chunks_dropped = 0
 
     def record(self, elapsed_s: float, nbytes: int, *, failed: bool = False) -> None:
         """Fold in one finished cascade."""
@@ -118,13 +118,13 @@ class Backpressure:
         if not self.pressured or not self._drops(self._drop_share()):
             return True
         self.stores_dropped += 1
-        self.blocks_dropped += chunks
+        self.chunks_dropped += chunks
         return False
 
     def take_dropped(self) -> tuple[int, int]:
         """Stores and chunks dropped since the last call."""
-        dropped = (self.stores_dropped, self.blocks_dropped)
-        self.stores_dropped = self.blocks_dropped = 0
+        dropped = (self.stores_dropped, self.chunks_dropped)
+        self.stores_dropped = self.chunks_dropped = 0
         return dropped
 
     def _drop_share(self) -> float:

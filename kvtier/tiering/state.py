@@ -56,4 +56,4 @@ class TierState:
             metrics.set(Names.BACKPRESSURE_STORE_LATENCY_EMA, self.backpressure.ema, label)
             stores, chunks = self.backpressure.take_dropped()
             metrics.inc(Names.BACKPRESSURE_STORES_DROPPED, stores, label)
-            metrics.inc(Names.BACKPRESSURE_BLOCKS_DROPPED, chunks, label)
+            metrics.inc(Names.BACKPRESSURE_CHUNKS_DROPPED, chunks, label)

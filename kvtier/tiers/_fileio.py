@@ -18,7 +18,7 @@ from typing import TypeVar
 import anyio
 import anyio.to_thread
 
-from kvtier.tiers._format import HEADER_BYTES
+from kvtier.format import HEADER_BYTES
 
 __all__ = ["advance", "aligned_header", "in_threads", "read_all", "size_of"]
 

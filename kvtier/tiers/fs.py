@@ -6,7 +6,7 @@ Layout::
     <root_dir>/<model>_<namespace digest>/<hh>/<key hex>.kvt
 
 Each file is a one-page header (magic, version, key, length, checksums) followed by
-the chunk's primary row (see :mod:`kvtier.tiers._format`). A file is written under a
+the chunk's primary row (see :mod:`kvtier.format`). A file is written under a
 unique temporary name and renamed into place, so a reader never sees a torn file; a
 crash leaves at most a temporary file, which the next start removes. Every load is
 verified before the chunk is reported loaded: a corrupt, truncated or foreign file is a
@@ -48,23 +48,25 @@ import anyio.to_thread
 from kvtier._logs import ThrottledLog, describe_error
 from kvtier.config import ConfigReader
 from kvtier.errors import ConfigError
-from kvtier.keys import OffloadKey
-from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
-from kvtier.records import EventLog, Medium, OffloadingEvent
-from kvtier.resources import TaskSet
-from kvtier.tiers._fileio import advance, aligned_header, in_threads, read_all, size_of
-from kvtier.tiers._format import HEADER_BYTES, MAX_KEY_BYTES, ChunkFormat
-from kvtier.tiers._store import (
+from kvtier.format import (
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
     MISSING,
     NAMESPACE_FILE,
     TEMP_SUFFIX,
-    CorruptChunks,
+    ChunkFormat,
     NamespaceDescription,
     chunk_path,
     key_of,
     namespace_directory,
     temp_name,
 )
+from kvtier.keys import OffloadKey
+from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
+from kvtier.records import EventLog, Medium, OffloadingEvent
+from kvtier.resources import TaskSet
+from kvtier.tiers._corrupt import CorruptChunks
+from kvtier.tiers._fileio import advance, aligned_header, in_threads, read_all, size_of
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 
 __all__ = ["FileSystemTier", "FsSettings"]

@@ -5,7 +5,7 @@ connected peers that this node now holds the keys in its primary tier; an evicti
 (``on_primary_removed``) withdraws them. Each node keeps an index of what every peer
 announced, so ``contains`` and ``lookup`` are dictionary probes. A promotion (``load``)
 asks a peer that announced the key for it; the peer pins the chunk in its primary tier
-while it sends a :class:`~kvtier.tiers._format.ChunkFormat` header (with the checksum
+while it sends a :class:`~kvtier.format.ChunkFormat` header (with the checksum
 taken when the chunk was stored) and the row, which the requester receives straight
 into the destination primary slot and verifies before it reports the key loaded.
 

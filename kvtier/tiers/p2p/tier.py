@@ -18,11 +18,11 @@ import anyio.to_thread
 
 from kvtier._logs import ThrottledLog
 from kvtier.errors import ConfigError
+from kvtier.format import ChunkFormat
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
 from kvtier.records import EventLog, Medium, OffloadingEvent
 from kvtier.resources import TaskSet
-from kvtier.tiers._format import ChunkFormat
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.p2p.channel import Listener, Transport, format_address
 from kvtier.tiers.p2p.context import (

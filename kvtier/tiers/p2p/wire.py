@@ -23,7 +23,7 @@ ANNOUNCE   key list: keys the owner now holds in its primary tier
 WITHDRAW   key list: keys the owner no longer holds
 FETCH      request id (4), key list
 CHUNK      request id (4), position in the request (4), chunk header
-           (:mod:`kvtier.tiers._format`, 4096 bytes), the chunk's whole primary row
+           (:mod:`kvtier.format`, 4096 bytes), the chunk's whole primary row
 MISSING    request id (4), position (4): the owner does not hold that key any more
 =========  =========================================================================
 
@@ -36,8 +36,8 @@ import enum
 import struct
 from collections.abc import Iterator, Sequence
 
+from kvtier.format import HEADER_BYTES, MAX_KEY_BYTES
 from kvtier.keys import OffloadKey
-from kvtier.tiers._format import HEADER_BYTES, MAX_KEY_BYTES
 from kvtier.tiers.p2p.channel import Buffer, Channel
 from kvtier.tiers.p2p.errors import ProtocolError
 

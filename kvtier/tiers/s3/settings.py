@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from kvtier._secrets import Secret
 from kvtier.config import ConfigReader
 from kvtier.errors import ConfigError
-from kvtier.tiers._format import HEADER_BYTES
+from kvtier.format import HEADER_BYTES
 
 __all__ = ["S3Settings", "display_url"]
 

@@ -1,10 +1,10 @@
 """The S3 tier: one verified object per chunk in a bucket of any S3-speaking server.
 
-Layout (see :mod:`kvtier.tiers._store`)::
+Layout (see :mod:`kvtier.format`)::
 
     <prefix>/<model>_<namespace digest>/<key hex>.kvt
 
-Each object has the same form as an fs tier file (see :mod:`kvtier.tiers._format`): a
+Each object has the same form as an fs tier file (see :mod:`kvtier.format`): a
 one-page header (magic, version, key, length, checksums) followed by the chunk's
 primary row. S3 makes a PUT visible only once it is complete, so no reader ever sees a
 torn object; every load is still verified before the chunk is reported loaded, and an
@@ -39,11 +39,11 @@ import anyio.to_thread
 from aiobotocore.session import AioSession
 
 from kvtier._logs import ThrottledLog, describe_error
+from kvtier.format import HEADER_BYTES, MISSING, ChunkFormat, chunk_name, namespace_directory
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, MetricDefinition
 from kvtier.records import EventLog, Medium, OffloadingEvent
-from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
-from kvtier.tiers._store import MISSING, CorruptChunks, chunk_name, namespace_directory
+from kvtier.tiers._corrupt import CorruptChunks
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.s3.client import Failed, S3Client, S3TierError, Upload, each
 from kvtier.tiers.s3.settings import S3Settings, display_url

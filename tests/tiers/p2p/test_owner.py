@@ -9,7 +9,7 @@ import pytest
 from helpers import keys
 from p2p_memory import CHUNK, HANG_S, NAMESPACE, MemoryNode, dial, until
 
-from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
+from kvtier.format import HEADER_BYTES, ChunkFormat
 from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, MemoryTransport
 from kvtier.tiers.p2p.channel import Channel
 from kvtier.tiers.p2p.context import SERVED_CHUNKS

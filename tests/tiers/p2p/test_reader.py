@@ -13,7 +13,7 @@ from helpers import keys
 from p2p_memory import CHUNK, HANG_S, NAMESPACE, SECRET, MemoryNode, until
 
 from kvtier._secrets import Secret
-from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
+from kvtier.format import HEADER_BYTES, ChunkFormat
 from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, SERVED_CHUNKS, MemoryTransport
 from kvtier.tiers.p2p.channel import Channel, Listener
 from kvtier.tiers.p2p.context import INDEXED_KEYS

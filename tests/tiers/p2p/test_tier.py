@@ -37,8 +37,8 @@ from prometheus_client import generate_latest
 
 from kvtier import ConfigError, KVTier, OffloadingSpecFactory, ReqContext
 from kvtier._secrets import Secret
+from kvtier.format import HEADER_BYTES, ChunkFormat
 from kvtier.metrics import Names
-from kvtier.tiers._format import HEADER_BYTES, ChunkFormat
 from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
 from kvtier.tiers.p2p.handshake import encode_hello
 from kvtier.tiers.p2p.wire import FRAME, Kind, encode_fetch

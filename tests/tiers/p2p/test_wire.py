@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.tiers._format import HEADER_BYTES, MAX_KEY_BYTES
+from kvtier.format import HEADER_BYTES, MAX_KEY_BYTES
 from kvtier.tiers.p2p.errors import PeerClosed, ProtocolError
 from kvtier.tiers.p2p.memory import channel_pair
 from kvtier.tiers.p2p.wire import (

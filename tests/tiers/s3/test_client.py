@@ -18,7 +18,7 @@ from botocore.exceptions import ClientError
 from s3_servers import ACCESS_KEY, SECRET_KEY, ChaosProxy, free_port, put_object, raw_client
 
 from kvtier import ConfigError
-from kvtier.tiers._store import MISSING
+from kvtier.format import MISSING
 from kvtier.tiers.s3 import S3Client, S3Settings, S3TierError
 from kvtier.tiers.s3.client import Failed, Upload, each
 
