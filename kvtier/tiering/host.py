@@ -84,15 +84,8 @@ class HostAccess:
                     break
                 else:
                     pending = True
-            pinned: dict[OffloadKey, int] = {}
-            if readable:
-                reserved = Holder.reserved(req_id)
-                taken = set(self._ledger.transfer(readable, reserved, holder))
-                rest = [key for key in readable if key not in taken]
-                self._ledger.pin(rest, holder)
-                slot_of = self._primary.slot_of
-                pinned = {key: slot for key in readable if (slot := slot_of(key)) is not None}
-            return PrefixLookup(pinned, pending)
+            slots = self._ledger.pin_for_request(readable, req_id) if readable else []
+            return PrefixLookup(dict(zip(readable, slots, strict=True)), pending)
 
     def held(self, req: ReqContext) -> dict[OffloadKey, int]:
         """The keys the request pins, with their slots."""

@@ -93,6 +93,28 @@ class SlotLedger:
         self._add(holder, keys)
         return slots
 
+    def pin_for_request(self, keys: Sequence[OffloadKey], req_id: str) -> list[int]:
+        """Pin readable ``keys`` for a request; keys promoted for it (reserved) are
+        transferred to it, not pinned a second time. Their slots.
+
+        Raises:
+            StateError: a key is not readable (nothing is pinned).
+        """
+        holder = Holder.request(req_id)
+        taken = self.transfer(keys, Holder.reserved(req_id), holder)
+        if not taken:
+            return self.pin(keys, holder)
+        rest = list(keys)
+        for key in taken:
+            rest.remove(key)
+        try:
+            self.pin(rest, holder)
+        except StateError:
+            self.transfer(taken, holder, Holder.reserved(req_id))
+            raise
+        slot_of = self._primary.slot_of
+        return [slot for key in keys if (slot := slot_of(key)) is not None]
+
     def pin_readable(self, keys: Iterable[OffloadKey], holder: Holder) -> dict[OffloadKey, int]:
         """Pin each of ``keys`` that is readable now, once each; their slots."""
         pinned = self._primary.pin_readable(keys)

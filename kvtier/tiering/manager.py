@@ -1,41 +1,20 @@
 """The scheduler-facing orchestrator of the primary and secondary tiers.
 
 Every scheduler-facing method is synchronous and never blocks: it changes in-memory
-state and hands I/O to the tier event loop. Tier coroutines never touch this state;
-their outcomes come back through a completion queue that the manager drains at its
-poll points (``lookup``, ``prepare_load``, ``prepare_store``, ``on_schedule_end`` and
-the async helpers), so the state has one writer at a time.
-
-A key's trip, in the order the code runs it:
-
-1. *Lookup* (:meth:`lookup`): the primary tier answers first; on a miss each secondary
-   tier is asked in order (:mod:`~kvtier.tiering.lookups`: from memory, or queued for
-   one batch per step). The first tier that holds the key gets a primary slot
-   allocated for it at once (:mod:`~kvtier.tiering.promotions`), so a key is promoted
-   once, and the answer is HIT_PENDING.
-2. *Promotion*: :meth:`on_schedule_end` sends the step's lookups and starts one load
-   job per (tier, request) while the tier's chunk budget allows
-   (:mod:`~kvtier.tiering.jobs`, run by :mod:`~kvtier.tiering.runner`). When the job
-   ends its keys are readable and *reserved* for the request in the slot ledger
-   (:mod:`~kvtier.tiering.ledger`), so no other request evicts them first.
-3. *Pin*: :meth:`prepare_load` pins the keys for the request; reserved keys are
-   transferred to it, not pinned twice.
-4. *Load*: the host copies the slots to the GPU and :meth:`complete_load` releases
-   the request's pins.
-
-And the other way: :meth:`prepare_store` allocates slots, the host copies into them,
-:meth:`complete_store` makes them readable and *cascades* them: one store job per
-secondary tier that back-pressure admits, each pinning the slots until its tier is
-done. A job that outlives its timeout is failed at once; its slots stay with the
-ledger until its I/O has stopped.
+state and hands I/O to the tier event loop (:mod:`~kvtier.tiering.dispatch`). Tier
+coroutines never touch this state; their outcomes come back through a completion queue
+that the manager drains at its poll points (``lookup``, ``prepare_load``,
+``prepare_store``, ``on_schedule_end`` and the async helpers), so the state has one
+writer at a time. Who holds which primary slot is the slot ledger's record
+(:mod:`~kvtier.tiering.ledger`). README "How it fits together" follows a key through
+lookup, promotion, pin and load, and through store and cascade, in the order this code
+runs them.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricsRecorder, Names
@@ -50,54 +29,31 @@ from kvtier.records import (
 )
 from kvtier.region import SharedOffloadRegion
 from kvtier.resources import AsyncResource
-from kvtier.tiering.backpressure import Backpressure, BackpressureSettings
+from kvtier.tiering.backpressure import Backpressure
 from kvtier.tiering.completions import OutcomeServer
 from kvtier.tiering.diagnostics import Diagnostics
+from kvtier.tiering.dispatch import Dispatcher
 from kvtier.tiering.gate import LookupCounter
 from kvtier.tiering.host import HostAccess
 from kvtier.tiering.jobs import JobTable
 from kvtier.tiering.ledger import Holder, SlotLedger
 from kvtier.tiering.lifecycle import Lifecycle
 from kvtier.tiering.loop import LoopThread, TierLoop
-from kvtier.tiering.outcomes import (
-    JobOutcome,
-    JobReleased,
-    LookupOutcome,
-    Outcome,
-    PinRequest,
-    SettleSlots,
-    UnpinRequest,
-)
+from kvtier.tiering.options import TierOptions
 from kvtier.tiering.pins import PinService
 from kvtier.tiering.promotions import Promotions
 from kvtier.tiering.reporting import Reporting
 from kvtier.tiering.requests import RequestTable
-from kvtier.tiering.runner import RunnerSettings, TierRunner, start_in_order
+from kvtier.tiering.runner import TierRunner, start_in_order
 from kvtier.tiering.state import TierState
-from kvtier.tiers.base import SecondaryTier, TransferJob
+from kvtier.tiers.base import SecondaryTier
 
 __all__ = ["TierOptions", "TieringOffloadingManager"]
 
 _QUERIES = Names.CHUNK_QUERIES
 _HITS = Names.CHUNK_HITS
-_HIT = LookupResult.HIT
-_HIT_PENDING = LookupResult.HIT_PENDING
-_MISS = LookupResult.MISS
-_RETRY = LookupResult.RETRY
-
-# How often the manager looks again whether late I/O still touches the slots kept for
-# it. Only slots of jobs that timed out wait for this; a slot's reuse waits at most
-# this long after its last user let go.
-_SETTLE_INTERVAL_S = 0.05
-
-
-@dataclass(frozen=True)
-class TierOptions:
-    """How the framework runs one tier."""
-
-    runner: RunnerSettings = field(default_factory=RunnerSettings)
-    #: None: back-pressure is off for this tier.
-    backpressure: BackpressureSettings | None = None
+_HIT, _HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING
+_MISS, _RETRY = LookupResult.MISS, LookupResult.RETRY
 
 
 class TieringOffloadingManager(AsyncResource):
@@ -107,13 +63,10 @@ class TieringOffloadingManager(AsyncResource):
     beyond it is :attr:`host`; counts and samples for benchmarks and operators are
     :attr:`diagnostics`.
 
-    With no secondary tiers this is the CPU spec's manager and needs no event loop.
-    With tiers, their coroutines run on ``loop``: the async host's own
-    (:class:`~kvtier.tiering.loop.HostLoop`) or a loop thread
-    (:class:`~kvtier.tiering.loop.LoopThread`), chosen by whoever builds the manager.
-    The manager owns what it is given: it closes the tiers, ``region`` and ``loop``
-    when it closes. A host that calls it from more than one thread holds :attr:`lock`
-    around each call.
+    Without secondary tiers it is the CPU spec's manager and needs no event loop; with
+    tiers, they run on ``loop``: the async host's own (``HostLoop``) or a loop thread
+    (``LoopThread``). The manager closes the tiers, ``region`` and ``loop`` it is given.
+    A host calling it from several threads holds :attr:`lock` around each call.
     """
 
     def __init__(
@@ -149,7 +102,7 @@ class TieringOffloadingManager(AsyncResource):
         view = region.primary_view if region is not None else None
         self._ledger = SlotLedger(primary, view)
         self._requests = RequestTable()
-        self._completions = OutcomeServer(self.lock, self._loop, self._drain).queue
+        self._completions = OutcomeServer(self.lock, self._loop, self._poll).queue
         self._pending = self._completions.pending
         post = self._completions.post
         self._tiers = [
@@ -166,14 +119,14 @@ class TieringOffloadingManager(AsyncResource):
             [state.counts for state in self._tiers],
             [state.backpressure for state in self._tiers],
         )
-        self._pin_service: PinService | None = None
+        pins: PinService | None = None
         if view is not None:
-            self._pin_service = PinService(self._ledger, view, post)
+            pins = PinService(self._ledger, view, post)
             for state in self._tiers:
                 if state.tier.ctx.primary is not None:
-                    state.tier.ctx.primary.bind(self._pin_service.for_tier(state.label))
-        self._settling = False
-        self._life = Lifecycle(self._loop, self._start_tiers, self._close_tiers)
+                    state.tier.ctx.primary.bind(pins.for_tier(state.label))
+        runners = [state.runner for state in self._tiers]
+        self._life = Lifecycle(self._loop, lambda: start_in_order(runners), self._close_tiers)
         self._report = Reporting(
             self.metrics, primary, self._ledger, self._tiers, self._jobs.in_flight
         )
@@ -183,6 +136,18 @@ class TieringOffloadingManager(AsyncResource):
             self._jobs,
             self._counts,
             [opt.runner.max_promotion_chunks for opt in options],
+        )
+        self._dispatch = Dispatcher(
+            self._loop,
+            self._tiers,
+            self._jobs,
+            self._promotions,
+            self._ledger,
+            self._requests,
+            self._completions,
+            pins,
+            self._finish_request,
+            lambda: self._life.closed,
         )
         self.host = HostAccess(
             self.lock,
@@ -234,16 +199,13 @@ class TieringOffloadingManager(AsyncResource):
         """:meth:`start` for a synchronous host (not from the tier loop's thread)."""
         self._life.start_blocking(timeout)
 
-    async def _start_tiers(self) -> None:
-        await start_in_order([state.runner for state in self._tiers])
-
     # -------------------------------------------------------------- lookups
 
     def lookup(self, key: OffloadKey, req: ReqContext) -> LookupResult:
         """Where ``key`` stands: HIT, HIT_PENDING, MISS or RETRY."""
         with self.lock:
             if self._pending:
-                self._drain()
+                self._dispatch.drain()
             return self._lookup(key, req.req_id, None)
 
     def _lookup(
@@ -278,22 +240,8 @@ class TieringOffloadingManager(AsyncResource):
         """Pin ``keys`` (all HIT) for a primary -> GPU load; the spec gives their slots."""
         with self.lock:
             if self._pending:
-                self._drain()
-            return LoadStoreSpec(chunk_ids=self._pin(keys, req.req_id))
-
-    def _pin(self, keys: Sequence[OffloadKey], req_id: str) -> list[int]:
-        """Pin readable ``keys`` for a request, taking over those reserved for it."""
-        ledger, holder = self._ledger, Holder.request(req_id)
-        reserved = Holder.reserved(req_id)
-        taken = ledger.transfer(keys, reserved, holder)
-        if not taken:
-            return ledger.pin(keys, holder)
-        rest = list(keys)
-        for key in taken:
-            rest.remove(key)
-        ledger.pin(rest, holder)
-        slot_of = self.primary.slot_of
-        return [slot for key in keys if (slot := slot_of(key)) is not None]
+                self._dispatch.drain()
+            return LoadStoreSpec(chunk_ids=self._ledger.pin_for_request(keys, req.req_id))
 
     def touch(self, keys: Sequence[OffloadKey], req: ReqContext) -> None:
         """Record a use of ``keys`` (first = head of the prefix) in every tier."""
@@ -317,7 +265,7 @@ class TieringOffloadingManager(AsyncResource):
         """Allocate primary slots for the keys not stored yet; None if there is no room."""
         with self.lock:
             if self._pending:
-                self._drain()
+                self._dispatch.drain()
             gate = self._gate
             if gate is not None:
                 admitted = gate.admitted(keys)
@@ -339,14 +287,7 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             done = self.primary.complete_store(keys, success)
             if done and self._tiers and not self._life.closed:
-                now = time.perf_counter()
-                self._launch(
-                    [
-                        (index, job)
-                        for index in range(len(self._tiers))
-                        if (job := self._jobs.cascade(index, done, req.req_id, now)) is not None
-                    ]
-                )
+                self._dispatch.cascade(done, req.req_id)
             if self._requests.ended(req.req_id):
                 self._finish_request(req.req_id)
             # Lookups that saw these keys pending may be waiting for them.
@@ -390,37 +331,9 @@ class TieringOffloadingManager(AsyncResource):
         if the last flush is a while ago (a scrape of the registry flushes first)."""
         with self.lock:
             if self._pending:
-                self._drain()
-            self._launch_step()
+                self._dispatch.drain()
+            self._dispatch.launch_step()
             self._report.flush_if_due()
-
-    def _launch_step(self) -> None:
-        if not self._tiers or self._life.closed:
-            return
-        now = time.perf_counter()
-        lookups: list[tuple[int, tuple[OffloadKey, ...]]] = []
-        jobs: list[tuple[int, TransferJob]] = []
-        for index, state in enumerate(self._tiers):
-            batch = state.lookups.take_queued()
-            if batch is not None:
-                lookups.append((index, batch))
-            jobs.extend((index, job) for job in self._promotions.end_step(index, now))
-        self._launch(jobs, lookups)
-
-    def _launch(
-        self,
-        jobs: list[tuple[int, TransferJob]],
-        lookups: Sequence[tuple[int, tuple[OffloadKey, ...]]] = (),
-    ) -> None:
-        """Hand jobs and lookup batches to the tier loop: the one way work gets there."""
-        if not jobs and not lookups:
-            return
-        for _, job in jobs:
-            if job.is_promotion:
-                self._requests.started(job.req_id)
-        assert self._loop is not None
-        runners = [state.runner for state in self._tiers]
-        self._loop.call(_launch_all, runners, jobs, lookups, time.perf_counter())
 
     def take_events(self) -> list[OffloadingEvent]:
         """Store and removal events since the last call: primary first, then each tier."""
@@ -431,75 +344,15 @@ class TieringOffloadingManager(AsyncResource):
             return events
 
     def has_pending_work(self) -> bool:
-        """Whether any job or lookup is queued or in flight, or a job that timed out
-        still runs (its slots come back when it ends)."""
+        """Whether a job or lookup is queued or in flight, or a timed-out job still runs."""
         with self.lock:
-            return self._busy() or bool(self._jobs.late)
-
-    def _busy(self) -> bool:
-        """Whether any job or lookup is queued or in flight."""
-        with self.lock:
-            return bool(self._jobs) or any(
-                state.lookups.busy or self._promotions.busy(index)
-                for index, state in enumerate(self._tiers)
-            )
+            return self._dispatch.busy() or bool(self._jobs.late)
 
     # ------------------------------------------------------------ completions
 
     def _poll(self) -> None:
         if self._pending:
-            self._drain()
-
-    def _drain(self) -> None:
-        promotions_ended = False
-        for outcome in self._completions.drain():
-            promotions_ended |= self._apply(outcome)
-        if promotions_ended and not self._life.closed:
-            self._launch(self._promotions.start_waiting(time.perf_counter()))
-
-    def _apply(self, outcome: Outcome) -> bool:
-        """Apply one outcome; whether it let a promotion job of its tier go."""
-        match outcome:
-            case JobOutcome():
-                ended = self._jobs.finished(outcome)
-                if ended is None:
-                    return False
-                if ended.failed:
-                    self._tiers[ended.tier].lookups.forget_hits(ended.failed, ended.req_id)
-                if ended.loaded and self._requests.live(ended.req_id):
-                    # Kept for the request that asked until it loads them or finishes.
-                    self._ledger.pin(ended.loaded, Holder.reserved(ended.req_id))
-                if self._requests.ended(ended.req_id):
-                    self._finish_request(ended.req_id)
-                return True
-            case LookupOutcome():
-                self._tiers[outcome.runner].lookups.lookup_done(outcome)
-            case JobReleased():
-                self._jobs.late_ended(outcome.job.job_id)
-                counters = self._tiers[outcome.runner].counts.counters
-                counters[Names.LATE_COMPLETIONS] += 1
-                if self._ledger.io_ended(outcome.job.job_id):
-                    self._settle_later()
-            case SettleSlots():
-                self._settling = False
-                if self._ledger.settle():
-                    self._settle_later()
-            case PinRequest():
-                assert self._pin_service is not None
-                self._pin_service.serve_pin(outcome)
-            case UnpinRequest():
-                assert self._pin_service is not None
-                self._pin_service.serve_unpin(outcome)
-        return False
-
-    def _settle_later(self) -> None:
-        """Look again soon whether late I/O still touches the slots kept for it."""
-        loop = self._loop
-        if self._settling or loop is None:
-            return
-        self._settling = True
-        post = self._completions.post
-        loop.call(loop.loop.call_later, _SETTLE_INTERVAL_S, post, SettleSlots())
+            self._dispatch.drain()
 
     # ---------------------------------------------------------- async helpers
 
@@ -522,21 +375,19 @@ class TieringOffloadingManager(AsyncResource):
         (with ``include_late``, jobs that timed out and still run too)."""
         with self.lock:
             if self._pending:
-                self._drain()
-            self._launch_step()
-            return self.has_pending_work() if include_late else self._busy()
+                self._dispatch.drain()
+            self._dispatch.launch_step()
+            return self.has_pending_work() if include_late else self._dispatch.busy()
 
     # -------------------------------------------------------------- resetting
 
     def reset_cache(self, *, hold_busy_slots: bool = False) -> None:
-        """Wait for every job in flight (none is aborted), then clear the primary tier.
+        """Wait for the jobs in flight (none is aborted), then clear the primary tier;
+        secondary tiers keep their data. Blocks: an async host awaits :meth:`areset_cache`.
 
-        Secondary tiers keep their data. Slots that late I/O of a timed-out job may
-        still touch stay out of use until it stops. With ``hold_busy_slots`` the slots
-        that host copies were still writing or reading (prepared and not completed) are
-        not reused until :meth:`on_reset_flushed`: a host that drops its copies'
-        results at a reset, as vLLM does, says that way when its copies have stopped.
-        Blocks the calling thread: an async host awaits :meth:`areset_cache` instead.
+        Slots that late I/O of a timed-out job may touch stay out of use until it stops;
+        with ``hold_busy_slots``, so do those host copies were writing or reading, until
+        :meth:`on_reset_flushed` (vLLM drops its copies' results at a reset).
         """
         self._life.block_on(lambda: self.areset_cache(hold_busy_slots=hold_busy_slots))
 
@@ -585,30 +436,14 @@ class TieringOffloadingManager(AsyncResource):
             await state.runner.aclose()
         with self.lock:
             if self._pending:
-                self._drain()
+                self._dispatch.drain()
             self._report.flush()
         self.metrics.pull_from(None)
         if self._region is not None:
             self._region.close()
 
     def _flush_for_collection(self) -> None:
-        """A metrics collection begins, on any thread: flush what this step counted so far.
-
-        Only the flush runs under the lock (a few dozen Prometheus updates plus the
-        step's samples), so a scrape holds the scheduler up for no longer than a step's
-        end does.
-        """
+        """A metrics collection begins, on any thread: flush what this step counted so
+        far (a scrape holds the scheduler up no longer than a step's end does)."""
         with self.lock:
             self._report.flush()
-
-
-def _launch_all(
-    runners: Sequence[TierRunner],
-    jobs: Sequence[tuple[int, TransferJob]],
-    lookups: Sequence[tuple[int, tuple[OffloadKey, ...]]],
-    submitted: float,
-) -> None:
-    for index, batch in lookups:
-        runners[index].launch_lookup(batch)
-    for index, job in jobs:
-        runners[index].launch_job(job, submitted)
