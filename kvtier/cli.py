@@ -239,6 +239,7 @@ def _bench(args: argparse.Namespace) -> int:
     from kvtier.bench import BENCH_TIERS, WORKLOADS, BenchSettings
     from kvtier.bench.report import combine, plot
     from kvtier.bench.run import check_root
+    from kvtier.bench.settings import bench_config
 
     known = BENCH_TIERS.names()
     tiers = tuple(name.strip() for name in args.tiers.split(",") if name.strip())
@@ -281,6 +282,13 @@ def _bench(args: argparse.Namespace) -> int:
         reuse_root=args.reuse_root,
         seed=args.seed,
     )
+    if args.config is not None:
+        # Read as kvtier plan reads it, before anything starts: the tiers --tiers would
+        # start are not known yet, so a file without secondary_tiers is checked with none.
+        try:
+            _engine_spec(bench_config(settings, []))
+        except KVTierError as exc:
+            _fail(str(exc))
     in_flight = settings.concurrency * settings.max_prompt_chunks * settings.chunk_bytes
     if settings.primary_bytes < in_flight:
         print(
@@ -452,6 +460,10 @@ def _engine_spec(config: OffloadingConfig) -> OffloadingSpec:
     """The spec the engine builds for ``config``: ``extra_config`` parsed and checked
     the way the engine reads it, connecting to nothing and opening nothing.
 
+    ``kvtier plan`` and ``kvtier bench --config`` both read a file through here, its
+    spec named by :func:`~kvtier.specs.factory.with_spec_name`, so they accept and
+    refuse the same files with the same messages.
+
     Raises:
         ConfigError: as the engine would raise it.
     """
@@ -461,6 +473,8 @@ def _engine_spec(config: OffloadingConfig) -> OffloadingSpec:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from kvtier.specs.factory import with_spec_name
+
     extra = _read_json_object(args.config) if args.config is not None else {}
     for item in args.overrides:
         key, sep, value = item.partition("=")
@@ -476,7 +490,7 @@ def _plan(args: argparse.Namespace) -> int:
             kv_bytes_per_block=args.kv_bytes_per_block,
             tokens_per_block=args.tokens_per_block,
             world_size=args.world_size,
-            extra_config=extra,
+            extra_config=with_spec_name(extra),
         )
         spec = _engine_spec(config)
     except KVTierError as exc:

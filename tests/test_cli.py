@@ -215,3 +215,33 @@ def test_plan_shows_a_remote_locality_and_its_water_marks(tmp_path):
     [fs] = json.loads(result.stdout)["tiers"]
     assert fs["locality"] == "remote" and fs["max_promotion_chunks"] is None
     assert (fs["backpressure"]["high_water"], fs["backpressure"]["low_water"]) == (0.020, 0.005)
+
+
+def write_extra(tmp_path, extra: dict):
+    path = tmp_path / "extra.json"
+    path.write_text(json.dumps(extra))
+    return str(path)
+
+
+def test_plan_and_bench_read_a_file_with_tiers_and_no_spec_name_alike(tmp_path):
+    tier = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    good = write_extra(tmp_path, {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]})
+    planned = kvtier("plan", "--kv-bytes-per-block", "131072", "--config", good, "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["spec"] == "TieringOffloadingSpec"
+    # (That kvtier bench runs with such a file: tests/bench/test_cli.py.)
+
+    bad = write_extra(tmp_path, {"secondary_tiers": [{**tier, "capacty_bytes": 5}]})
+    answers = [
+        kvtier("plan", "--kv-bytes-per-block", "131072", "--set", "cpu_bytes_to_use=1048576",
+               "--config", bad),
+        kvtier("bench", "--config", bad),
+    ]  # fmt: skip
+    for answer in answers:
+        assert answer.returncode == 2 and answer.stdout == ""
+    assert answers[0].stderr == answers[1].stderr
+    assert answers[0].stderr.startswith(
+        "kvtier: error: secondary_tiers[0].capacty_bytes: unknown setting; "
+        "did you mean 'capacity_bytes'?"
+    )
+    assert not (tmp_path / "kv").exists()
