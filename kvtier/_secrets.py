@@ -42,11 +42,18 @@ class Secret(Generic[_V]):
 
 
 def redact(value: object) -> object:
-    """``value`` with every credential inside it replaced by ``'<hidden>'``."""
+    """``value`` with every credential inside it replaced by ``'<hidden>'``.
+
+    A credential that is not set (None) stays None: "not set" gives nothing away, and
+    ``<hidden>`` would claim a value that is not there.
+    """
     if isinstance(value, Secret):
         return "<hidden>"
     if isinstance(value, Mapping):
-        return {k: "<hidden>" if k in SECRET_KEYS else redact(v) for k, v in value.items()}
+        return {
+            k: "<hidden>" if k in SECRET_KEYS and v is not None else redact(v)
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return [redact(item) for item in value]
     return value

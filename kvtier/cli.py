@@ -28,14 +28,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvtier import __version__
-from kvtier.config import ChunkGeometry, OffloadingConfig
+from kvtier.config import OffloadingConfig
 from kvtier.errors import KVTierError
+from kvtier.tiering.runner import RunnerSettings
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from kvtier.bench import BenchSettings
-    from kvtier.specs.cpu import CPUOffloadingSpec
+    from kvtier.specs.base import OffloadingSpec
+    from kvtier.specs.settings import TierConfig
 
 __all__ = ["main"]
 
@@ -237,6 +239,7 @@ def _bench(args: argparse.Namespace) -> int:
     from kvtier.bench import BENCH_TIERS, WORKLOADS, BenchSettings
     from kvtier.bench.report import combine, plot
     from kvtier.bench.run import check_root
+    from kvtier.bench.settings import bench_config
 
     known = BENCH_TIERS.names()
     tiers = tuple(name.strip() for name in args.tiers.split(",") if name.strip())
@@ -279,6 +282,13 @@ def _bench(args: argparse.Namespace) -> int:
         reuse_root=args.reuse_root,
         seed=args.seed,
     )
+    if args.config is not None:
+        # Read as kvtier plan reads it, before anything starts: the tiers --tiers would
+        # start are not known yet, so a file without secondary_tiers is checked with none.
+        try:
+            _engine_spec(bench_config(settings, []))
+        except KVTierError as exc:
+            _fail(str(exc))
     in_flight = settings.concurrency * settings.max_prompt_chunks * settings.chunk_bytes
     if settings.primary_bytes < in_flight:
         print(
@@ -446,9 +456,24 @@ def _inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- plan
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from kvtier.specs.cpu import CPUOffloadingSpec
+def _engine_spec(config: OffloadingConfig) -> OffloadingSpec:
+    """The spec the engine builds for ``config``: ``extra_config`` parsed and checked
+    the way the engine reads it, connecting to nothing and opening nothing.
+
+    ``kvtier plan`` and ``kvtier bench --config`` both read a file through here, its
+    spec named by :func:`~kvtier.specs.factory.with_spec_name`, so they accept and
+    refuse the same files with the same messages.
+
+    Raises:
+        ConfigError: as the engine would raise it.
+    """
     from kvtier.specs.factory import OffloadingSpecFactory
+
+    return OffloadingSpecFactory.create_spec(config)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvtier.specs.factory import with_spec_name
 
     extra = _read_json_object(args.config) if args.config is not None else {}
     for item in args.overrides:
@@ -465,17 +490,22 @@ def _plan(args: argparse.Namespace) -> int:
             kv_bytes_per_block=args.kv_bytes_per_block,
             tokens_per_block=args.tokens_per_block,
             world_size=args.world_size,
-            extra_config=extra,
+            extra_config=with_spec_name(extra),
         )
-        spec_class = OffloadingSpecFactory.get_spec_class(config)
-        spec = spec_class(config)
+        spec = _engine_spec(config)
     except KVTierError as exc:
         _fail(str(exc))
-    if not isinstance(spec, CPUOffloadingSpec):
-        _fail(f"{spec_class.__name__} is valid, but kvtier plan only describes CPU-based specs")
-    geometry: ChunkGeometry = spec.geometry
+    settings = spec.settings
+    geometry = settings.geometry
     plan = {
-        "spec": spec_class.__name__,
+        "spec": type(spec).__name__,
+        "cpu_bytes_to_use": settings.cpu_bytes_to_use,
+        "block_size": settings.block_size,
+        "eviction_policy": settings.eviction_policy,
+        "cache_policy_module_path": settings.cache_policy_module_path,
+        "store_threshold": settings.store_threshold,
+        "offload_prompt_only": settings.offload_prompt_only,
+        "backpressure": _jsonable(settings.backpressure),
         "tokens_per_chunk": geometry.tokens_per_chunk,
         "blocks_per_chunk": geometry.blocks_per_chunk,
         "world_size": geometry.world_size,
@@ -483,18 +513,16 @@ def _plan(args: argparse.Namespace) -> int:
         "chunk_bytes": geometry.chunk_bytes,
         "num_chunks": geometry.num_chunks,
         "region_bytes": geometry.region_bytes,
-        "unused_bytes": spec.cpu_bytes_to_use - geometry.region_bytes,
-        "eviction_policy": spec.eviction_policy,
+        "unused_bytes": settings.cpu_bytes_to_use - geometry.region_bytes,
         "tokens_cached": geometry.num_chunks * geometry.tokens_per_chunk,
     }
-    tiers = _plan_tiers(spec)
+    tiers = [_plan_tier(tier) for tier in settings.tiers]
     if args.json:
         print(json.dumps({**plan, "tiers": tiers}, indent=2))
         return 0
     width = max(len(key) for key in plan)
     for key, value in plan.items():
-        shown = f"{value:,}" if isinstance(value, int) else str(value)
-        print(f"{key:<{width}}  {shown}")
+        print(f"{key:<{width}}  {_shown(value)}")
     print(f"{'tiers':<{width}}  {len(tiers) or 'none (the primary tier only)'}")
     for tier in tiers:
         print(f"tier {tier['label']}  {tier['class']} ({tier['locality']})")
@@ -508,47 +536,27 @@ def _plan(args: argparse.Namespace) -> int:
             )
         row_width = max(len(key) for key in rows)
         for key, value in rows.items():
-            print(f"  {key:<{row_width}}  {_plain(value)}")
+            print(f"  {key:<{row_width}}  {_shown(value)}")
     return 0
 
 
-_RUNNER_FIELDS = ("max_concurrent_jobs", "job_timeout_s", "lookup_timeout_s", "shutdown_grace_s")
+def _plan_tier(tier: TierConfig) -> dict[str, Any]:
+    """One secondary tier as the engine will run it: every value, defaults included."""
+    return {
+        "label": tier.label,
+        "type": tier.type_name,
+        "class": f"{tier.tier_class.__module__}.{tier.tier_class.__qualname__}",
+        "locality": tier.locality,
+        **_as_data(tier.runner),
+        "backpressure": _jsonable(tier.backpressure),
+        "settings": _jsonable(tier.settings),
+        # Only the names of what a tier without settings reads itself: its values may
+        # hold credentials under names no redaction knows.
+        "parameters": sorted(tier.params) if tier.settings is None else None,
+    }
 
 
-def _plan_tiers(spec: CPUOffloadingSpec) -> list[dict[str, Any]]:
-    """Each secondary tier as the engine will build it, its settings parsed, nothing opened.
-
-    The settings come from the tier's own ``settings_class.from_params``, the function
-    the tier runs when it is built, so what is shown is what the engine will use.
-    """
-    from kvtier.specs.tiering import TieringOffloadingSpec
-    from kvtier.tiers.factory import SecondaryTierFactory
-
-    if not isinstance(spec, TieringOffloadingSpec):
-        return []
-    tiers = []
-    for i, (tier_config, tier_class, options) in enumerate(
-        zip(spec.tier_configs, spec.tier_classes, spec.tier_options, strict=True)
-    ):
-        path = spec.tier_config_path(i)
-        params = SecondaryTierFactory.tier_params(tier_config)
-        settings_class = tier_class.settings_class
-        settings = None if settings_class is None else settings_class.from_params(params, path)
-        tiers.append(
-            {
-                "label": spec.tier_label(i),
-                "type": tier_config["type"],
-                "class": f"{tier_class.__module__}.{tier_class.__qualname__}",
-                "locality": tier_config.get("locality", tier_class.locality),
-                **{key: getattr(options.runner, key) for key in _RUNNER_FIELDS},
-                "backpressure": _jsonable(options.backpressure),
-                "settings": _jsonable(settings),
-                # Only the names of what a tier without settings reads itself: its
-                # values may hold credentials under names no redaction knows.
-                "parameters": sorted(params) if settings is None else None,
-            }
-        )
-    return tiers
+_RUNNER_FIELDS = tuple(f.name for f in dataclasses.fields(RunnerSettings))
 
 
 def _jsonable(value: Any) -> Any:
@@ -573,9 +581,16 @@ def _as_data(value: Any) -> Any:
     return value
 
 
-def _plain(value: Any) -> str:
-    """A setting's value in the text plan: strings bare (unless empty), the rest as JSON."""
-    return value if isinstance(value, str) and value else json.dumps(value)
+def _shown(value: Any) -> str:
+    """A value in the text plan: strings bare (unless empty), counts with thousands
+    separators, None as "not set", the rest as JSON."""
+    if value is None:
+        return "not set"
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return json.dumps(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

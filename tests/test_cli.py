@@ -1,4 +1,6 @@
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -6,6 +8,10 @@ import pytest
 from kvtier_cli import kvtier
 
 from kvtier.cli import main
+from kvtier.tiering.runner import RunnerSettings
+from kvtier.tiers.fs import FsSettings
+from kvtier.tiers.p2p import PeerSettings
+from kvtier.tiers.s3 import S3Settings
 
 
 def test_plan_prints_the_geometry_as_json(capsys):
@@ -101,6 +107,16 @@ def plan(tmp_path, extra: dict, *args: str):
             "secondary_tiers[0].secret: exactly one of secret or secret_file is required",
             id="p2p-no-secret",
         ),
+        pytest.param(
+            {"type": "s3", "bucket": "kv-cache", "job_deadline_s": 30},
+            "secondary_tiers[0].job_deadline_s: must be below the tier's job_timeout_s (30 s)",
+            id="s3-deadline-past-the-job-timeout",
+        ),
+        pytest.param(
+            {"type": "p2p", "secret": "a-secret-of-twenty-bytes", "max_frame_bytes": 70000},
+            "secondary_tiers[0].max_frame_bytes: expected a value >= ",
+            id="p2p-frame-limit-below-a-chunk",
+        ),
     ],
 )
 def test_plan_refuses_a_tier_the_engine_would_refuse(tmp_path, tier, message):
@@ -140,4 +156,92 @@ def test_plan_lists_every_tier_with_the_settings_the_engine_will_use(tmp_path):
 def test_plan_of_the_cpu_spec_says_there_are_no_secondary_tiers():
     result = kvtier("plan", "--kv-bytes-per-block", "4096", "--set", "cpu_bytes_to_use=65536")
     assert result.returncode == 0, result.stderr
-    assert "tiers             none (the primary tier only)" in result.stdout
+    assert re.search(r"^tiers +none \(the primary tier only\)$", result.stdout, re.MULTILINE)
+
+
+def fields_of(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def test_plan_shows_every_effective_value_defaults_included(tmp_path):
+    tiers = [
+        {"type": "fs", "root_dir": "/data/kv"},
+        {"type": "p2p", "secret": "a-secret-of-twenty-bytes"},
+        {"type": "s3", "bucket": "kv-cache", "job_timeout_s": 12},
+    ]
+    result = plan(tmp_path, {"secondary_tiers": tiers}, "--json")
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["offload_prompt_only"] is True and shown["store_threshold"] == 0
+    assert shown["block_size"] == 16 and shown["eviction_policy"] == "lru"
+    assert shown["cpu_bytes_to_use"] == 1 << 20 and shown["backpressure"] is None
+    fs, p2p, s3 = shown["tiers"]
+    for tier in (fs, p2p, s3):
+        assert fields_of(RunnerSettings) <= set(tier)
+        assert tier["max_concurrent_jobs"] == 8 and tier["lookup_timeout_s"] == 5.0
+    # A local tier promotes a bounded number of chunks at once, a remote one does not.
+    assert (fs["max_promotion_chunks"], p2p["max_promotion_chunks"]) == (8, None)
+    for tier, settings_class in ((fs, FsSettings), (p2p, PeerSettings), (s3, S3Settings)):
+        assert set(tier["settings"]) == fields_of(settings_class)
+    # What each tier derives when it is built, not the null that stands for "derive it":
+    # s3 ends its requests at 2/3 of its job timeout, p2p takes one chunk frame + 64 KiB.
+    assert s3["settings"]["job_deadline_s"] == pytest.approx(8.0)
+    assert p2p["settings"]["max_frame_bytes"] > 131072 + 64 * 1024
+
+    text = plan(tmp_path, {"secondary_tiers": tiers})
+    assert text.returncode == 0, text.stderr
+    for row in ("max_promotion_chunks +8", "job_deadline_s +8.0", "max_frame_bytes +2\\d\\d,"):
+        assert re.search(rf"^  {row}", text.stdout, re.MULTILINE), row
+    assert re.search(r"^offload_prompt_only +true$", text.stdout, re.MULTILINE)
+
+
+def test_plan_shows_a_secret_that_is_not_set_as_not_set(tmp_path):
+    tier = {"type": "s3", "bucket": "kv-cache", "access_key_id": "AKID", "secret_access_key": "SK"}
+    result = plan(tmp_path, {"secondary_tiers": [tier]}, "--json")
+    assert result.returncode == 0, result.stderr
+    [s3] = json.loads(result.stdout)["tiers"]
+    assert s3["settings"]["access_key_id"] == s3["settings"]["secret_access_key"] == "<hidden>"
+    assert s3["settings"]["session_token"] is None
+
+    text = plan(tmp_path, {"secondary_tiers": [tier]})
+    assert re.search(r"^  session_token +not set$", text.stdout, re.MULTILINE)
+    assert re.search(r"^  access_key_id +<hidden>$", text.stdout, re.MULTILINE)
+
+
+def test_plan_shows_a_remote_locality_and_its_water_marks(tmp_path):
+    tier = {"type": "fs", "root_dir": "/nfs/kv", "locality": "remote", "backpressure": {}}
+    result = plan(tmp_path, {"secondary_tiers": [tier]}, "--json")
+    assert result.returncode == 0, result.stderr
+    [fs] = json.loads(result.stdout)["tiers"]
+    assert fs["locality"] == "remote" and fs["max_promotion_chunks"] is None
+    assert (fs["backpressure"]["high_water"], fs["backpressure"]["low_water"]) == (0.020, 0.005)
+
+
+def write_extra(tmp_path, extra: dict):
+    path = tmp_path / "extra.json"
+    path.write_text(json.dumps(extra))
+    return str(path)
+
+
+def test_plan_and_bench_read_a_file_with_tiers_and_no_spec_name_alike(tmp_path):
+    tier = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    good = write_extra(tmp_path, {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]})
+    planned = kvtier("plan", "--kv-bytes-per-block", "131072", "--config", good, "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["spec"] == "TieringOffloadingSpec"
+    # (That kvtier bench runs with such a file: tests/bench/test_cli.py.)
+
+    bad = write_extra(tmp_path, {"secondary_tiers": [{**tier, "capacty_bytes": 5}]})
+    answers = [
+        kvtier("plan", "--kv-bytes-per-block", "131072", "--set", "cpu_bytes_to_use=1048576",
+               "--config", bad),
+        kvtier("bench", "--config", bad),
+    ]  # fmt: skip
+    for answer in answers:
+        assert answer.returncode == 2 and answer.stdout == ""
+    assert answers[0].stderr == answers[1].stderr
+    assert answers[0].stderr.startswith(
+        "kvtier: error: secondary_tiers[0].capacty_bytes: unknown setting; "
+        "did you mean 'capacity_bytes'?"
+    )
+    assert not (tmp_path / "kv").exists()

@@ -103,7 +103,7 @@ def test_sizing_follows_the_design_formula():
 def test_json_floats_with_integral_values_are_accepted():
     spec = spec_for({"cpu_bytes_to_use": 1e7})
     assert isinstance(spec, CPUOffloadingSpec)
-    assert spec.cpu_bytes_to_use == 10**7
+    assert spec.settings.cpu_bytes_to_use == 10**7
 
 
 def test_reader_names_nested_paths():

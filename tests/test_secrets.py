@@ -35,3 +35,8 @@ def test_redact_hides_credentials_at_any_depth():
     for hidden in ("abc", "'id'", "xyz", "'pw'", "'t'", "'s'"):
         assert hidden not in shown
     assert "cpu_bytes_to_use" in shown and "custom" in shown
+
+
+def test_redact_leaves_a_credential_that_is_not_set_as_none():
+    shown = redact({"session_token": None, "secret": "xyz", "tls": {"password": None}})
+    assert shown == {"session_token": None, "secret": "<hidden>", "tls": {"password": None}}

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import OffloadingConfig
+from kvtier.specs.factory import with_spec_name
 
 __all__ = ["MIB", "BenchSettings", "bench_config"]
 
@@ -44,9 +45,9 @@ class BenchSettings:
 def bench_config(
     settings: BenchSettings, tiers: list[dict[str, Any]], *, role: str = "bench"
 ) -> OffloadingConfig:
-    """The engine's configuration: ``tiers`` as its secondary tiers, then ``--config``."""
+    """The engine's configuration: ``tiers`` as its secondary tiers, then ``--config``,
+    its spec named as ``kvtier plan`` names a file's (``with_spec_name``)."""
     extra: dict[str, Any] = {
-        "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": settings.primary_bytes,
         "secondary_tiers": tiers,
     }
@@ -57,5 +58,5 @@ def bench_config(
         tokens_per_block=16,
         model_name="kvtier-bench",
         kv_dtype="int64",
-        extra_config=extra,
+        extra_config=with_spec_name(extra),
     )

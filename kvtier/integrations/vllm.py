@@ -278,14 +278,12 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         self._was_busy = True
 
     def _describe_tiers(self) -> dict[str, tuple[Medium, vllm_base.Locality]]:
-        described = {}
-        configs = getattr(self.spec, "tier_configs", [])
-        for label, tier, tier_config in zip(
-            self.kvtier.diagnostics.tier_labels, self.kvtier.tiers, configs, strict=True
-        ):
-            locality = tier_config.get("locality") or type(tier).locality
-            described[label] = (tier.medium, _LOCALITY[locality])
-        return described
+        # The locality the spec parsed (given, else the tier class's): the one that
+        # also chose the tier's back-pressure water marks.
+        return {
+            config.label: (tier.medium, _LOCALITY[config.locality])
+            for tier, config in zip(self.kvtier.tiers, self.spec.settings.tiers, strict=True)
+        }
 
     @property
     def lock(self) -> threading.RLock:
@@ -452,7 +450,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
             {
                 "backend": f"kvtier {kvtier.__version__}",
                 "tiers": ",".join(self.kvtier.diagnostics.tier_labels) or "none",
-                "eviction_policy": spec.eviction_policy,
+                "eviction_policy": spec.settings.eviction_policy,
                 "blocks_per_chunk": spec.blocks_per_chunk,
             }
         ]

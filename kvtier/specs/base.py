@@ -13,6 +13,7 @@ from kvtier.config import ConfigReader, OffloadingConfig
 from kvtier.metrics import MetricDefinition
 from kvtier.region import DEFAULT_SHM_DIR
 from kvtier.resources import AsyncResource
+from kvtier.specs.settings import SpecSettings
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +42,10 @@ class OffloadingSpec(AsyncResource):
 
     #: Further ``extra_config`` keys an out-of-tree subclass accepts without reading.
     extra_keys: ClassVar[frozenset[str]] = frozenset()
+    #: Whether this spec builds secondary tiers. One that does not refuses the
+    #: ``secondary_tiers`` and ``backpressure`` keys; one that does refuses
+    #: ``store_threshold`` >= 2.
+    has_secondary_tiers: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -53,19 +58,32 @@ class OffloadingSpec(AsyncResource):
         self.registry = registry
         self.shm_dir = shm_dir
         reader = ConfigReader(config.extra_config)
-        reader.raw("spec_name")
-        reader.raw("spec_module_path")
-        #: Host hint: offload prompt chunks only, not those produced while decoding.
-        self.offload_prompt_only: bool = reader.boolean("offload_prompt_only", True)
-        #: Tokens per chunk.
-        self.block_size: int = reader.integer(
-            "block_size", config.tokens_per_block, minimum=config.tokens_per_block
+        #: ``extra_config``, parsed once: everything this spec builds comes from it.
+        self.settings = SpecSettings.parse(
+            config,
+            spec_name=type(self).__name__,
+            secondary_tiers=self.has_secondary_tiers,
+            reader=reader,
         )
         self.read_settings(reader)
         reader.reject_unknown(self.extra_keys)
 
     def read_settings(self, reader: ConfigReader) -> None:
-        """Read this spec's own ``extra_config`` keys (subclasses extend, calling super)."""
+        """Read an out-of-tree subclass's own ``extra_config`` keys (calling super).
+
+        The built-in keys are in :attr:`settings` already; a key that neither read nor
+        :attr:`extra_keys` lists is refused afterwards.
+        """
+
+    @property
+    def offload_prompt_only(self) -> bool:
+        """Host hint: offload prompt chunks only, not those produced while decoding."""
+        return self.settings.offload_prompt_only
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per chunk."""
+        return self.settings.block_size
 
     @classmethod
     def build_metric_definitions(

@@ -7,10 +7,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.config import ChunkGeometry, ConfigReader, OffloadingConfig
-from kvtier.errors import ConfigError
+from kvtier.config import ChunkGeometry, OffloadingConfig
 from kvtier.metrics import MetricDefinition, MetricsRecorder, cpu_metric_definitions
-from kvtier.policies.factory import CachePolicyFactory
 from kvtier.primary import PrimaryTier
 from kvtier.region import SharedOffloadRegion
 from kvtier.specs.base import OffloadingSpec
@@ -31,39 +29,15 @@ logger = logging.getLogger(__name__)
 class CPUOffloadingSpec(OffloadingSpec):
     """The primary tier alone: ``cpu_bytes_to_use`` of shared CPU memory.
 
-    Reads ``cpu_bytes_to_use`` (required), ``eviction_policy`` and
+    Uses ``cpu_bytes_to_use`` (required), ``eviction_policy`` and
     ``cache_policy_module_path``, and ``store_threshold`` (>= 2: store a chunk only
-    once it was looked up that many times).
+    once it was looked up that many times), from :attr:`settings`.
     """
 
     def __init__(self, config: OffloadingConfig, **kwargs: Any) -> None:
         self._manager: TieringOffloadingManager | None = None
         self._workers: list[OffloadingWorker] = []
         super().__init__(config, **kwargs)
-
-    def read_settings(self, reader: ConfigReader) -> None:
-        super().read_settings(reader)
-        self.cpu_bytes_to_use: int = reader.integer("cpu_bytes_to_use", minimum=1)
-        self.eviction_policy: str = reader.string("eviction_policy", "lru")
-        self.cache_policy_module_path: str | None = reader.string("cache_policy_module_path", None)
-        # Resolve now so an unknown policy fails at startup, not at the first store.
-        self.policy_class = CachePolicyFactory.get_policy_class(
-            self.eviction_policy, self.cache_policy_module_path
-        )
-        self.store_threshold: int = reader.integer("store_threshold", 0, minimum=0)
-        self.geometry = ChunkGeometry.from_config(
-            self.config, cpu_bytes_to_use=self.cpu_bytes_to_use, block_size=self.block_size
-        )
-        self._check_no_tiers(reader)
-
-    def _check_no_tiers(self, reader: ConfigReader) -> None:
-        for key in ("secondary_tiers", "backpressure"):
-            if reader.has(key):
-                raise ConfigError(
-                    key,
-                    f"{type(self).__name__} has no secondary tiers; set spec_name to "
-                    "TieringOffloadingSpec to use them",
-                )
 
     @classmethod
     def build_metric_definitions(
@@ -73,6 +47,10 @@ class CPUOffloadingSpec(OffloadingSpec):
         threshold = extra_config.get("store_threshold", 0)
         definitions.update(cpu_metric_definitions(threshold if isinstance(threshold, int) else 0))
         return definitions
+
+    @property
+    def geometry(self) -> ChunkGeometry:
+        return self.settings.geometry
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -100,7 +78,7 @@ class CPUOffloadingSpec(OffloadingSpec):
     def new_primary(self) -> PrimaryTier:
         return PrimaryTier(
             self.num_chunks,
-            self.policy_class(self.num_chunks),
+            self.settings.policy_class(self.num_chunks),
             enable_events=self.config.enable_kv_events,
         )
 
@@ -113,14 +91,14 @@ class CPUOffloadingSpec(OffloadingSpec):
                     self.new_primary(),
                     region=region,
                     metrics=self.new_metrics(),
-                    store_threshold=self.store_threshold,
+                    store_threshold=self.settings.store_threshold,
                 )
                 building.pop_all()  # the manager owns the region now
             logger.info(
                 "primary tier: %d chunks of %d bytes (%s eviction)",
                 self.num_chunks,
                 self.chunk_bytes,
-                self.eviction_policy,
+                self.settings.eviction_policy,
             )
         return self._manager
 

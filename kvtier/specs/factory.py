@@ -9,15 +9,29 @@ from kvtier._plugins import PluginRegistry
 from kvtier.config import ConfigReader, OffloadingConfig
 from kvtier.specs.base import OffloadingSpec
 
-__all__ = ["OffloadingSpecFactory", "spec_name_for"]
+__all__ = ["OffloadingSpecFactory", "spec_name_for", "with_spec_name"]
 
 
 def spec_name_for(extra_config: Mapping[str, Any]) -> str:
-    """The built-in spec ``extra_config`` needs: the tiering spec for secondary tiers
-    (or their ``backpressure``), else the CPU spec."""
-    if extra_config.get("secondary_tiers") or "backpressure" in extra_config:
+    """The built-in spec ``extra_config`` needs: the tiering spec when it has the keys
+    the CPU spec refuses (``secondary_tiers``, even empty, or ``backpressure``), else
+    the CPU spec."""
+    if "secondary_tiers" in extra_config or "backpressure" in extra_config:
         return "TieringOffloadingSpec"
     return "CPUOffloadingSpec"
+
+
+def with_spec_name(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``extra_config`` that names its spec: its own ``spec_name``, else the
+    one :func:`spec_name_for` picks.
+
+    For readers of a bare ``extra_config`` file (``kvtier plan``, ``kvtier bench
+    --config``), which must read a file with ``secondary_tiers`` and no ``spec_name``
+    the same way. The library's own default stays ``CPUOffloadingSpec``.
+    """
+    named = dict(extra_config)
+    named.setdefault("spec_name", spec_name_for(named))
+    return named
 
 
 class OffloadingSpecFactory:

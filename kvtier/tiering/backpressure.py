@@ -38,9 +38,14 @@ DEFAULT_MARKS = {"local": (0.005, 0.001), "remote": (0.020, 0.005)}
 
 @dataclass(frozen=True)
 class BackpressureSettings:
+    """One tier's back-pressure; each field's default is the setting's default.
+
+    The water marks default by locality (:data:`DEFAULT_MARKS`): a local tier's here.
+    """
+
     policy: str = "throttled"
-    high_water: float = 0.005
-    low_water: float = 0.001
+    high_water: float = DEFAULT_MARKS["local"][0]
+    low_water: float = DEFAULT_MARKS["local"][1]
     alpha: float = 0.3
     warmup: int = 3
     decay_half_life_s: float = 2.0
@@ -59,17 +64,20 @@ class BackpressureSettings:
             ConfigError: a value is invalid or the low mark is above the high mark.
         """
         high_default, low_default = DEFAULT_MARKS[locality]
+        default = cls()
         reader = ConfigReader(raw, path)
         settings = cls(
-            policy=reader.string("policy", "throttled", choices=("throttled", "drop")),
+            policy=reader.string("policy", default.policy, choices=("throttled", "drop")),
             high_water=reader.number("high_water", high_default, minimum=0, exclusive_minimum=True),
             low_water=reader.number("low_water", low_default, minimum=0),
-            alpha=reader.number("alpha", 0.3, minimum=0, maximum=1, exclusive_minimum=True),
-            warmup=reader.integer("warmup", 3, minimum=0),
-            decay_half_life_s=reader.number(
-                "decay_half_life_s", 2.0, minimum=0, exclusive_minimum=True
+            alpha=reader.number(
+                "alpha", default.alpha, minimum=0, maximum=1, exclusive_minimum=True
             ),
-            cooldown_s=reader.number("cooldown_s", 1.0, minimum=0),
+            warmup=reader.integer("warmup", default.warmup, minimum=0),
+            decay_half_life_s=reader.number(
+                "decay_half_life_s", default.decay_half_life_s, minimum=0, exclusive_minimum=True
+            ),
+            cooldown_s=reader.number("cooldown_s", default.cooldown_s, minimum=0),
         )
         reader.reject_unknown()
         if check_marks and settings.low_water > settings.high_water:

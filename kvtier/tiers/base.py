@@ -231,14 +231,34 @@ class SecondaryTier(AsyncResource):
         self.ctx = ctx
 
     @classmethod
-    def check_params(cls, params: Mapping[str, Any], path: str) -> None:
+    def check_params(cls, params: Mapping[str, Any], path: str) -> Any:
         """Check the tier's parameters without building anything.
+
+        Returns the parsed :attr:`settings_class` object, or None for a tier without one.
 
         Raises:
             ConfigError: a parameter is missing, invalid or unknown (named by its path).
         """
-        if cls.settings_class is not None:
-            cls.settings_class.from_params(params, path)
+        if cls.settings_class is None:
+            return None
+        return cls.settings_class.from_params(params, path)
+
+    @classmethod
+    def effective_settings(
+        cls, settings: Any, *, chunk_bytes: int, job_timeout_s: float, path: str
+    ) -> Any:
+        """``settings`` (from :meth:`check_params`) as the tier will run with them.
+
+        A tier that derives values from the framework's when it is built (a deadline
+        from ``job_timeout_s``, a limit from ``chunk_bytes``, the length of a primary
+        row) fills them in here, so that a configuration check (``kvtier plan``) shows
+        and checks them without building the tier. Opens nothing.
+
+        Raises:
+            ConfigError: a value that does not fit ``chunk_bytes`` or ``job_timeout_s``
+                (named by its path under ``path``).
+        """
+        return settings
 
     async def start(self) -> None:
         """Open connections or scan an index. Raising aborts the manager's start."""

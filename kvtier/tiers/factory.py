@@ -96,10 +96,24 @@ class SecondaryTierFactory:
                 invalid (the message names ``<config_path>.<parameter>``).
         """
         tier_class = cls.get_tier_class(tier_config, config_path)
-        params = cls.tier_params(tier_config)
-        _check_signature(tier_class, params, config_path)
-        tier_class.check_params(params, config_path)
+        cls.parse_params(tier_class, cls.tier_params(tier_config), config_path)
         return tier_class
+
+    @classmethod
+    def parse_params(
+        cls, tier_class: type[SecondaryTier], params: Mapping[str, Any], config_path: str
+    ) -> Any:
+        """The tier's own parameters checked, and parsed by its ``settings_class``.
+
+        Returns None for a tier without a ``settings_class`` (it reads its keyword
+        arguments itself); builds nothing.
+
+        Raises:
+            ConfigError: a parameter is unknown, missing or invalid (the message names
+                ``<config_path>.<parameter>``).
+        """
+        _check_signature(tier_class, params, config_path)
+        return tier_class.check_params(params, config_path)
 
     @classmethod
     def create_tier(cls, tier_config: Mapping[str, Any], ctx: TierContext) -> SecondaryTier:
@@ -108,7 +122,7 @@ class SecondaryTierFactory:
         return tier_class(ctx, **cls.tier_params(tier_config))
 
 
-def _check_signature(tier_class: type[SecondaryTier], params: dict[str, Any], path: str) -> None:
+def _check_signature(tier_class: type[SecondaryTier], params: Mapping[str, Any], path: str) -> None:
     """Name unknown or missing parameters of tiers that declare them as keywords."""
     signature = inspect.signature(tier_class.__init__)
     accepted = list(signature.parameters.values())[2:]  # self, ctx

@@ -6,6 +6,7 @@ import pytest
 from helpers import make_config
 
 from kvtier import ConfigError, CPUOffloadingSpec, OffloadingSpec, OffloadingSpecFactory
+from kvtier.specs.factory import with_spec_name
 
 
 class PlainCPUSpec(CPUOffloadingSpec):
@@ -66,3 +67,24 @@ def test_shutdown_releases_manager_and_workers(engine_id):
     spec.shutdown()
     assert manager.region is not None and manager.region.closed
     assert worker.region.closed
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, "CPUOffloadingSpec"),
+        ({"secondary_tiers": []}, "TieringOffloadingSpec"),
+        ({"secondary_tiers": [{"type": "example"}]}, "TieringOffloadingSpec"),
+        ({"backpressure": {"warmup": 1}}, "TieringOffloadingSpec"),
+        ({"spec_name": "PlainForTests", "secondary_tiers": []}, "PlainForTests"),
+    ],
+)
+def test_a_bare_extra_config_names_the_spec_its_keys_need(extra, expected):
+    named = with_spec_name(extra)
+    assert named["spec_name"] == expected
+    assert "spec_name" not in extra or extra["spec_name"] == expected  # a copy
+
+
+def test_the_library_default_stays_the_cpu_spec_which_refuses_tiers(engine_id):
+    with pytest.raises(ConfigError, match=r"^secondary_tiers: CPUOffloadingSpec has no"):
+        OffloadingSpecFactory.create_spec(make_config(engine_id, secondary_tiers=[]))

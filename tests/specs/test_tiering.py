@@ -13,7 +13,9 @@ from kvtier import (
     TieringOffloadingSpec,
 )
 from kvtier.region import region_path
-from kvtier.tiers.example import ExampleTier
+from kvtier.specs.settings import SpecSettings
+from kvtier.tiers.example import ExampleSettings, ExampleTier
+from kvtier.tiers.factory import FRAMEWORK_KEYS
 
 
 def spec_for(engine_id, tiers, **extra):
@@ -126,7 +128,7 @@ def test_backpressure_defaults_merge_field_by_field_under_each_tier(engine_id):
         ],
         backpressure={"warmup": 7},
     )
-    first, second, third = (options.backpressure for options in spec.tier_options)
+    first, second, third = (tier.backpressure for tier in spec.settings.tiers)
     assert (first.policy, first.warmup, first.high_water) == ("drop", 7, 0.005)
     assert (second.policy, second.warmup, second.high_water, second.low_water) == (
         "throttled",
@@ -140,7 +142,7 @@ def test_backpressure_defaults_merge_field_by_field_under_each_tier(engine_id):
 
 def test_backpressure_is_off_unless_configured(engine_id):
     spec = spec_for(engine_id, [{"type": "example"}])
-    assert spec.tier_options[0].backpressure is None
+    assert spec.settings.tiers[0].backpressure is None
     spec.shutdown()
 
 
@@ -186,6 +188,97 @@ def test_example_tier_is_the_built_in_example():
 def test_promotion_chunks_in_flight_default_by_locality(engine_id, tier, expected):
     spec = OffloadingSpecFactory.create_spec(tiering_config(engine_id, [tier]))
     try:
-        assert spec.tier_options[0].runner.max_promotion_chunks == expected
+        assert spec.settings.tiers[0].runner.max_promotion_chunks == expected
     finally:
         spec.shutdown()
+
+
+@pytest.mark.parametrize("key", sorted(FRAMEWORK_KEYS - {"type", "module_path"}))
+def test_every_framework_key_is_read_and_checked_under_its_path(engine_id, key):
+    with pytest.raises(ConfigError) as info:
+        spec_for(engine_id, [{"type": "example", key: ["not", "a", "value"]}])
+    message = str(info.value)
+    assert message.startswith(f"secondary_tiers[0].{key}: ")
+    assert "unknown" not in message  # read by the framework, never passed to the tier
+
+
+def test_a_misspelt_framework_key_is_named_by_its_path(engine_id):
+    with pytest.raises(ConfigError, match=r"^secondary_tiers\[1\]\.max_concurent_jobs: unknown"):
+        spec_for(engine_id, [{"type": "example"}, {"type": "example", "max_concurent_jobs": 2}])
+
+
+def test_a_remote_locality_is_the_one_every_reader_sees(engine_id):
+    spec = spec_for(engine_id, [{"type": "example", "locality": "remote", "backpressure": {}}])
+    try:
+        [tier] = spec.settings.tiers
+        assert tier.locality == "remote"
+        assert (tier.backpressure.high_water, tier.backpressure.low_water) == (0.020, 0.005)
+        assert tier.runner.max_promotion_chunks is None
+    finally:
+        spec.shutdown()
+
+
+def test_a_tier_without_locality_takes_its_class_one(engine_id, tmp_path):
+    tiers = [
+        {"type": "fs", "root_dir": str(tmp_path)},
+        {"type": "s3", "bucket": "kv-cache", "endpoint_url": "http://127.0.0.1:9"},
+    ]
+    spec = spec_for(engine_id, tiers)
+    try:
+        assert [tier.locality for tier in spec.settings.tiers] == ["local", "remote"]
+    finally:
+        spec.shutdown()
+
+
+def test_the_parsed_settings_are_what_the_tiers_and_the_manager_get(engine_id):
+    tiers = [
+        {"type": "example", "custom_param": 3, "job_timeout_s": 7, "name": "mem"},
+        scripted("parsed", max_concurrent_jobs=2),
+    ]
+    spec = spec_for(engine_id, tiers)
+    try:
+        example, scripted_tier = spec.settings.tiers
+        assert example.settings == ExampleSettings(custom_param=3)
+        assert example.runner.job_timeout_s == 7.0 and example.label == "1:mem"
+        # A tier without a settings class: its parameters as it will receive them.
+        assert scripted_tier.settings is None and dict(scripted_tier.params) == {"tag": "parsed"}
+        manager = spec.get_manager()
+        built_example, built_scripted = manager.tiers
+        assert built_example.settings == example.settings
+        assert built_example.ctx.job_timeout_s == 7.0 and built_example.ctx.tier_name == "1:mem"
+        assert built_scripted.name == "parsed"
+    finally:
+        spec.shutdown()
+
+
+def test_the_parsed_settings_never_show_a_credential(engine_id):
+    secret = "Zsecret/Key+ThatMustNeverLeak00000000000"
+    tier = {
+        "type": "s3",
+        "bucket": "kv-cache",
+        "access_key_id": "AKIDX",
+        "secret_access_key": secret,
+    }
+    spec = spec_for(engine_id, [tier])
+    try:
+        shown = repr(spec.settings)
+        assert secret not in shown and "AKIDX" not in shown
+    finally:
+        spec.shutdown()
+
+
+def test_the_spec_holds_what_one_parse_of_its_config_gives(engine_id, tmp_path):
+    config = tiering_config(
+        engine_id,
+        [{"type": "fs", "root_dir": str(tmp_path), "locality": "remote"}],
+        backpressure={"warmup": 2},
+    )
+    spec = OffloadingSpecFactory.create_spec(config)
+    try:
+        parsed = SpecSettings.parse(config, spec_name="TieringOffloadingSpec", secondary_tiers=True)
+        assert parsed == spec.settings
+    finally:
+        spec.shutdown()
+    unknown = tiering_config(engine_id, [], colour="blue")
+    with pytest.raises(ConfigError, match=r"^colour: unknown setting"):
+        SpecSettings.parse(unknown, spec_name="TieringOffloadingSpec", secondary_tiers=True)

@@ -8,6 +8,7 @@ the peers that announced them. The connections themselves live in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import socket
@@ -90,6 +91,15 @@ class PeerTier(SecondaryTier):
             f"PeerTier({self.ctx.tier_name!r}, listen={self.listen_address!r}, "
             f"peers={peers!r}, tls={self.settings.tls is not None})"
         )
+
+    @classmethod
+    def effective_settings(
+        cls, settings: Any, *, chunk_bytes: int, job_timeout_s: float, path: str
+    ) -> PeerSettings:
+        """The settings with ``max_frame_bytes`` as the tier derives it from the chunk
+        size (checked to hold one chunk frame)."""
+        given: PeerSettings = settings
+        return dataclasses.replace(given, max_frame_bytes=given.frame_limit(chunk_bytes, path))
 
     @classmethod
     def build_metric_definitions(

@@ -28,6 +28,7 @@ Requests, their retries and the job deadline are the client's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -123,6 +124,18 @@ class S3Tier(SecondaryTier):
     @property
     def max_concurrency(self) -> int:
         return self.settings.max_concurrency
+
+    @classmethod
+    def effective_settings(
+        cls, settings: Any, *, chunk_bytes: int, job_timeout_s: float, path: str
+    ) -> S3Settings:
+        """The settings with ``job_deadline_s`` as the tier derives it from
+        ``job_timeout_s``; chunk objects checked against S3's part limit."""
+        given: S3Settings = settings
+        given.object_bytes_for(chunk_bytes, path)
+        return dataclasses.replace(
+            given, job_deadline_s=given.job_deadline_for(job_timeout_s, path)
+        )
 
     @classmethod
     def build_metric_definitions(

@@ -83,9 +83,9 @@ def test_vllms_own_keys_are_accepted_and_fs_thread_counts_become_depths(engine_i
         ],
     }
     spec = KVTierOffloadingSpec(offloading_config(engine_id, extra))
-    [tier] = spec.kvtier_spec.tier_configs
-    assert (tier["read_depth"], tier["write_depth"]) == (3, 5)
-    assert "n_read_threads" not in tier
+    [tier] = spec.kvtier_spec.settings.tiers
+    assert (tier.settings.read_depth, tier.settings.write_depth) == (3, 5)
+    assert "n_read_threads" not in tier.params
 
 
 @pytest.mark.parametrize(
