@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import pytest
 from late_tier import LateThreadTier
 
 from kvtier import KVTier
@@ -27,6 +28,12 @@ def late_tier(node: KVTier) -> LateThreadTier:
 class TestLateThreadPluginContract(TierContract):
     async def tier_config(self) -> Mapping[str, Any]:
         return {"type": "LateThreadTier", "module_path": "late_tier"}
+
+    async def corrupt(self, writer: KVTier, key: OffloadKey) -> None:
+        pytest.skip("the plugin keeps chunks as bytes in this process: nothing to damage")
+
+    async def truncate(self, writer: KVTier, key: OffloadKey) -> None:
+        pytest.skip("the plugin keeps chunks as bytes in this process: nothing to damage")
 
     async def stored_chunk(self, writer: KVTier, key: OffloadKey) -> bytes | None:
         return late_tier(writer).stored(key)
