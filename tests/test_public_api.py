@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import kvtier
 
 # DESIGN section 9, in the order it lists them.
@@ -42,3 +45,10 @@ def test_every_exported_name_resolves():
 
 def test_config_error_is_a_value_error():
     assert issubclass(kvtier.ConfigError, ValueError)
+
+
+def test_importing_kvtier_never_imports_pytest():
+    """Only kvtier.testing (the tier contract) needs pytest, and only when imported."""
+    check = "import sys, kvtier; assert 'pytest' not in sys.modules, 'pytest was imported'"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -22,8 +22,12 @@ import ast
 import asyncio
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvtier import make_offload_key
 
@@ -100,6 +104,23 @@ def test_the_readme_examples_run_as_written(tmp_path, engine_id):
     found = dict(namespace["read_chunks"](root))
     assert len(found) == len(namespace["keys"]) + 1
     assert namespace["key"] in found
+
+
+@pytest.mark.slow
+def test_the_tier_contract_example_runs_under_pytest_as_written(tmp_path):
+    [code] = [code for _, code in python_blocks() if "TierContract" in code]
+    module = tmp_path / "test_my_tier.py"
+    module.write_text(code)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(module)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The example tier has no damage, stall or capacity hooks: those tests skip.
+    assert re.search(r"\b5 passed, 5 skipped\b", result.stdout), result.stdout
 
 
 def test_an_opted_out_block_is_not_run(tmp_path, monkeypatch):

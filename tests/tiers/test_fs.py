@@ -56,17 +56,6 @@ async def forget_primary(kv: KVTier) -> None:
     await kv.reset()
 
 
-async def test_chunks_survive_primary_eviction_and_come_back_byte_exact(engine_id, tmp_path):
-    kv_cache = kv_tensor()
-    async with KVTier(fs_config(engine_id, tmp_path), [kv_cache]) as kv:
-        ks = keys("roundtrip", 8)
-        await store_all(kv, ks)
-        await forget_primary(kv)
-        assert await kv.lookup(ks[:4], "reader", timeout=30) == 4
-        assert await kv.load(ks[:4], [40, 41, 42, 43], "reader") == 4
-        assert torch.equal(kv_cache[40:44], kv_cache[0:4])
-
-
 @pytest.mark.parametrize("below", ["", "deeper"])
 async def test_a_root_dir_that_is_a_file_is_refused_naming_the_key(engine_id, tmp_path, below):
     path = tmp_path / "a-file"
@@ -352,13 +341,6 @@ async def test_another_writer_s_files_are_found_when_shared(engine_id, tmp_path)
         async with KVTier(fs_config(f"{engine_id}w", tmp_path), [kv_cache]) as writer:
             await store_all(writer, [key])
         assert await reader.lookup([key], "r", timeout=30) == 1
-
-
-async def test_closing_twice_is_harmless(engine_id, tmp_path):
-    async with KVTier(fs_config(engine_id, tmp_path), [kv_tensor()]) as kv:
-        tier = fs_tier(kv)
-        await tier.wait_scanned()
-    await tier.aclose()  # the manager closed it already
 
 
 async def test_stale_temporary_files_are_removed_at_start(engine_id, tmp_path):

@@ -241,6 +241,9 @@ class Link:
         if problem is not None:
             self.node.integrity_failure(self.peer, problem)
             request.resolve(position, f"corrupt chunk: {problem}")
+            # The owner would send the same bytes again: stop asking it for this key.
+            self.node.index.remove(self, [key])
+            self.node.index_changed()
         else:
             request.resolve(position, None)
 

@@ -74,7 +74,7 @@ async def test_a_key_the_owner_no_longer_holds_is_a_miss_and_leaves_the_index():
         assert reader.tier.connected_peers == [owner.address]  # a miss is no fault
 
 
-async def test_a_chunk_changed_after_it_was_stored_fails_verification_and_is_counted():
+async def test_a_chunk_changed_after_it_was_stored_fails_verification_counted_and_unindexed():
     transport = MemoryTransport()
     owner, reader = pair(transport)
     async with owner, reader:
@@ -85,6 +85,9 @@ async def test_a_chunk_changed_after_it_was_stored_fails_verification_and_is_cou
         result = await reader.pull(ks, [3])
         assert not result.success and list(result.successful_keys or ()) == []
         assert reader.ctx.counters.integrity_failures == 1
+        # The owner would send the same bytes again: the key is no longer asked for.
+        assert not reader.tier.contains(ks[0])
+        assert reader.tier.connected_peers == [owner.address]
 
 
 async def test_a_key_no_peer_announced_is_a_miss_without_any_request():

@@ -70,19 +70,7 @@ def metric(kv: KVTier, name: str) -> float:
     return kv.manager.metrics.sample(f"{name}_total", LABEL) or 0.0
 
 
-# ----------------------------------------------------------- the contract
-
-
-async def test_chunks_survive_primary_eviction_and_come_back_byte_exact(engine_id, moto, bucket):
-    kv_cache = kv_tensor()
-    async with KVTier(s3_config(engine_id, moto.endpoint, bucket), [kv_cache]) as kv:
-        ks = keys("roundtrip", 8)
-        await store_all(kv, ks)
-        await kv.reset()
-        assert await kv.lookup(ks[:4], "reader", timeout=30) == 4
-        assert await kv.load(ks[:4], [40, 41, 42, 43], "reader") == 4
-        assert torch.equal(kv_cache[40:44], kv_cache[0:4])
-        assert metric(kv, Names.PROMOTION_JOB_FAILURES) == 0
+# ------------------- objects and lookups (the shared contract: test_contract_s3.py)
 
 
 async def test_objects_follow_the_documented_layout(engine_id, moto, bucket):
