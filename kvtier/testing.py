@@ -175,7 +175,7 @@ class _Node:
     @property
     def label(self) -> str:
         """The tier's label in metrics and events (``"1:fs"``)."""
-        return self.kv.manager.tier_labels[0]
+        return self.kv.manager.diagnostics.tier_labels[0]
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -183,7 +183,7 @@ class _Node:
 
     @property
     def primary_chunks(self) -> int:
-        return self.kv.manager.primary.num_chunks
+        return self.kv.manager.host.num_chunks
 
     def blocks(self, count: int) -> list[int]:
         """``count`` GPU blocks no call in flight uses: they go round the tensor."""
@@ -240,6 +240,11 @@ class TierContract:
     lateness_s: ClassVar[float] = 3.0
     #: Seconds a lookup waits for the tier's promotions.
     lookup_timeout_s: ClassVar[float] = 30.0
+    #: True for a tier that stops its own I/O when its job is cancelled (a network
+    #: tier closing its connection): nothing it does is late, and a stall hook that
+    #: holds the far end (a proxy) may still say "holding" for a moment after the tier
+    #: let go, so the stalled tests only require the quarantine metrics to exist.
+    stops_io_when_cancelled: ClassVar[bool] = False
 
     #: What hooks open for one test (servers, proxies): closed after its nodes.
     resources: contextlib.AsyncExitStack
@@ -693,7 +698,9 @@ class TierContract:
                 f"a load stalled in the tier was reported after {elapsed:.2f} s, its "
                 f"job_timeout_s being {timeout_s:g} s"
             )
-            self._check_quarantine_metrics(reader, held, quarantined, late)
+            self._check_quarantine_metrics(
+                reader, held and not self.stops_io_when_cancelled, quarantined, late
+            )
 
     @pytest.mark.anyio
     async def test_a_stalled_store_fails_in_time_and_never_reads_a_reused_slot(self) -> None:
@@ -737,7 +744,9 @@ class TierContract:
                 f"a store stalled in the tier was reported after {elapsed:.2f} s, its "
                 f"job_timeout_s being {timeout_s:g} s"
             )
-            self._check_quarantine_metrics(writer, held, quarantined, late)
+            self._check_quarantine_metrics(
+                writer, held and not self.stops_io_when_cancelled, quarantined, late
+            )
 
     async def _settle(self, node: _Node, held: bool) -> float:
         """After a stall: wait (bounded) until the framework has given the held slots

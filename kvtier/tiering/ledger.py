@@ -205,13 +205,17 @@ class SlotLedger:
 
     @property
     def quarantined(self) -> int:
-        """Slots out of use that no key names: kept for late I/O or host copies."""
-        kept: set[int] = set()
-        for slots in self._kept.values():
-            kept |= slots
-        return len(kept)
+        """Slots out of use for late I/O or host copies: kept with no key, or pinned
+        (still readable) by late I/O that may be reading them."""
+        slots = self.kept_slots()
+        slot_of = self._primary.slot_of
+        for holder, held in self._pins.items():
+            if holder.kind == "io":
+                slots.update(slot for key in held if (slot := slot_of(key)) is not None)
+        return len(slots)
 
     def kept_slots(self) -> set[int]:
+        """Slots no key names that a holder keeps out of use."""
         kept: set[int] = set()
         for slots in self._kept.values():
             kept |= slots

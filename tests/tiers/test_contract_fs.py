@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from kvtier import KVTier
+from kvtier.format import HEADER_BYTES
 from kvtier.keys import OffloadKey
 from kvtier.testing import Stall, TierContract
-from kvtier.tiers._format import HEADER_BYTES
 from kvtier.tiers.fs import FileSystemTier
 
 # A held write gives up after this long, so that a test that never lets it go cannot

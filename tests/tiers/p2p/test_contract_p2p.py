@@ -24,6 +24,8 @@ from kvtier.testing import Stall, TierContract
 
 
 class TestP2pContract(TierContract):
+    # A cancelled load aborts its link to the peer: no byte of it reaches a slot later.
+    stops_io_when_cancelled = True
     writer_primary_chunks = 32
 
     async def tier_config(self) -> Mapping[str, Any]:
