@@ -43,6 +43,17 @@ def test_primary_view_rows_are_the_region_rows(engine_id):
             region.primary_view[6]
 
 
+def test_a_row_is_in_use_while_anything_derived_from_it_is_referenced(engine_id):
+    with open_region(engine_id, None) as region:
+        view = region.primary_view
+        row = view[2]
+        tensor = torch.frombuffer(row[100:200], dtype=torch.uint8)
+        del row
+        assert view.in_use(2) and not view.in_use(1)
+        del tensor
+        assert not view.in_use(2)
+
+
 def test_worker_column_is_a_strided_view_of_its_rank(engine_id):
     scheduler = open_region(engine_id, None)
     worker = open_region(engine_id, 1)

@@ -252,11 +252,12 @@ class SlotLedger:
         in_use = self._in_use
         kept = self._kept.get(holder)
         if kept:
-            free = [slot for slot in kept if not in_use(slot)]
-            kept.difference_update(free)
+            done = {slot for slot in kept if not in_use(slot)}
+            kept -= done
             if not kept:
                 del self._kept[holder]
-            self._primary.free_slots(free)
+            # A slot host copies also keep (a reset came meanwhile) waits for them too.
+            self._primary.free_slots(sorted(done - self.kept_slots(), reverse=True))
         held = self._pins.get(holder)
         if held:
             slot_of = self._primary.slot_of
