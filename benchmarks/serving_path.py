@@ -329,7 +329,7 @@ class Scheduler:
         self.manager.on_schedule_end()
         self.figures.steps += 1
         if not progressed:
-            self.manager.wait_for_completions_blocking(self.idle_s)
+            self.manager.host.wait_for_completions_blocking(self.idle_s)
 
 
 # ----------------------------------------------------------------------- the run

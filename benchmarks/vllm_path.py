@@ -425,7 +425,7 @@ class Engine:
 
     def idle(self, seconds: float) -> None:
         started = time.perf_counter()
-        self.kvtier.wait_for_completions_blocking(seconds)
+        self.kvtier.host.wait_for_completions_blocking(seconds)
         self.times.setdefault(self.phase, StepTimes()).idle_s += time.perf_counter() - started
 
     def close(self) -> None:

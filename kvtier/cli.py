@@ -505,6 +505,8 @@ def _plan(args: argparse.Namespace) -> int:
         "cache_policy_module_path": settings.cache_policy_module_path,
         "store_threshold": settings.store_threshold,
         "offload_prompt_only": settings.offload_prompt_only,
+        "recompute_s_per_chunk": settings.recompute_s_per_chunk,
+        "max_pending_s": settings.max_pending_s,
         "backpressure": _jsonable(settings.backpressure),
         "tokens_per_chunk": geometry.tokens_per_chunk,
         "blocks_per_chunk": geometry.blocks_per_chunk,

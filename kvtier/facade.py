@@ -200,7 +200,8 @@ class KVTier(AsyncResource):
         """How many leading ``keys`` are available, promoting them into the primary tier.
 
         Waits (without polling) while keys are being promoted or looked up in the
-        secondary tiers, at most ``timeout`` seconds. The leading keys found are pinned
+        secondary tiers, at most ``timeout`` seconds: then the chunks still on their way
+        are misses for this request from now on. The leading keys found are pinned
         in the primary tier for this request, so that promoting the rest of a long
         prefix cannot evict them, until :meth:`load` copies them or :meth:`finish`
         lets them go. Keys after the first miss are not looked up. A lookup that is
@@ -237,6 +238,9 @@ class KVTier(AsyncResource):
                 host.release_except(req, ())
                 return 0
             if not waited:
+                # The deadline passed: the request goes on without what is still on
+                # its way (those chunks are misses now; queued promotions free slots).
+                host.expire_pending(req)
                 break
         held = host.held(req)
         hits = _leading(keys, held)

@@ -95,6 +95,7 @@ class Names:
     PROMOTION_LATENCY = "kvtier_tiering_promotion_latency_seconds"
     PROMOTION_JOB_TIME = "kvtier_tiering_promotion_job_seconds"
     INTEGRITY_FAILURES = "kvtier_tiering_integrity_failures"
+    SKIPPED_SLOWER_THAN_RECOMPUTE = "kvtier_tiering_skipped_slower_than_recompute"
     QUARANTINED_SLOTS = "kvtier_tiering_quarantined_slots"
     LATE_COMPLETIONS = "kvtier_tiering_late_completions"
 
@@ -197,6 +198,11 @@ def tiering_metric_definitions() -> dict[str, MetricDefinition]:
             "for a free job).",
             _TIER,
             buckets=(1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.09, 0.25, 0.5, 1.0, 2.5, 10.0),
+        ),
+        Names.SKIPPED_SLOWER_THAN_RECOMPUTE: CounterDef(
+            "Secondary-tier hits answered as misses because the promotion would have "
+            "arrived later than the host could recompute the chunk, by tier.",
+            _TIER,
         ),
         Names.QUARANTINED_SLOTS: GaugeDef(
             "Primary slots kept out of use because I/O of a job given up at its timeout "

@@ -334,3 +334,23 @@ async def test_a_lookup_answered_from_the_primary_tier_is_counted_in_the_metrics
             "kvtier_tiering_chunk_hits_total", {"tier": "0:primary"}
         )
     assert hits == 3
+
+
+async def test_chunks_still_on_their_way_at_the_lookup_timeout_are_misses_for_it(engine_id):
+    config = tiering_config(engine_id, [scripted("late", instant=True)], chunks=4)
+    async with KVTier(config, [cache()]) as kv:
+        ks = keys("deadline", 2)
+        await kv.store(ks, [0, 1], "w")
+        await kv.drain()
+        await kv.reset()
+        ScriptedTier.instances["late"].gate.clear()
+        assert await kv.lookup(ks, "r", timeout=0.2) == 0
+        ScriptedTier.instances["late"].gate.set()
+        await kv.drain()
+        # The promotion landed, but the request went on without it: nothing kept for it.
+        assert kv.manager.primary.num_busy == 0
+        # Readable now, they are hits for anyone who asks, that request included.
+        assert await kv.lookup(ks, "other") == 2
+        assert await kv.lookup(ks, "r") == 2
+        kv.finish("r")
+        kv.finish("other")

@@ -181,6 +181,12 @@ class SpecSettings:
     store_threshold: int
     #: Host hint: offload prompt chunks only, not those produced while decoding.
     offload_prompt_only: bool
+    #: Seconds of prefill one chunk costs the host: a secondary hit whose promotion
+    #: would take longer is a miss. None: always promote (or the host says it later).
+    recompute_s_per_chunk: float | None
+    #: Seconds a request's lookups may stay pending; then its pending keys are misses.
+    #: None: as long as the tiers take (each job bounded by its ``job_timeout_s``).
+    max_pending_s: float | None
     #: The top-level ``backpressure`` mapping as written (checked), read-only: defaults
     #: under each tier's own. None: not given.
     backpressure: Mapping[str, Any] | None
@@ -224,6 +230,12 @@ class SpecSettings:
             eviction_policy, cache_policy_module_path
         )
         store_threshold: int = reader.integer("store_threshold", 0, minimum=0)
+        recompute_s_per_chunk: float | None = reader.number(
+            "recompute_s_per_chunk", None, minimum=0, exclusive_minimum=True
+        )
+        max_pending_s: float | None = reader.number(
+            "max_pending_s", None, minimum=0, exclusive_minimum=True
+        )
         geometry = ChunkGeometry.from_config(
             config, cpu_bytes_to_use=cpu_bytes_to_use, block_size=block_size
         )
@@ -265,6 +277,8 @@ class SpecSettings:
             policy_class=policy_class,
             store_threshold=store_threshold,
             offload_prompt_only=offload_prompt_only,
+            recompute_s_per_chunk=recompute_s_per_chunk,
+            max_pending_s=max_pending_s,
             backpressure=defaults,
             tiers=tiers,
         )

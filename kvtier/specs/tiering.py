@@ -87,6 +87,8 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                 region=region,
                 metrics=metrics,
                 loop=loop,
+                recompute_s_per_chunk=self.settings.recompute_s_per_chunk,
+                max_pending_s=self.settings.max_pending_s,
             )
             building.pop_all()  # the manager owns the region and the loop now
         if start_here:

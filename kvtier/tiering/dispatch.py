@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import Names
+from kvtier.tiering.admission import Deadlines, PromotionCosts
 from kvtier.tiering.completions import CompletionQueue
 from kvtier.tiering.jobs import JobTable
 from kvtier.tiering.ledger import Holder, SlotLedger
@@ -60,7 +61,11 @@ class Dispatcher:
         pins: PinService | None,
         finish_request: Callable[[str], None],
         closed: Callable[[], bool],
+        costs: PromotionCosts,
+        deadlines: Deadlines,
     ) -> None:
+        self._costs = costs
+        self._deadlines = deadlines
         self._loop = loop
         self._tiers = tiers
         self._runners: list[TierRunner] = [state.runner for state in tiers]
@@ -158,9 +163,10 @@ class Dispatcher:
         if ended is None:  # a cascade
             return False
         req_id = ended.req_id
+        self._costs.job_done(ended.tier, ended.job_time, len(ended.loaded) + len(ended.failed))
         if ended.failed:
             self._tiers[ended.tier].lookups.forget_hits(ended.failed, req_id)
-        if ended.loaded and self._requests.live(req_id):
+        if ended.loaded and self._requests.live(req_id) and not self._deadlines.is_expired(req_id):
             # Kept for the request that asked until it loads them or finishes.
             self._ledger.pin(ended.loaded, Holder.reserved(req_id))
         if self._requests.ended(req_id):

@@ -1,7 +1,8 @@
-"""What an async host needs of the manager beyond the scheduler protocol.
+"""What a host needs of the manager beyond the scheduler protocol.
 
 The :class:`~kvtier.KVTier` facade and hosts like it look a whole prefix up at once,
-wait for tier work without polling, and know how big the primary tier is. Every call
+wait for tier work without polling, and know how big the primary tier is; any host
+may say what recomputing a chunk costs it and stop waiting for a request's chunks. Every call
 here runs under the manager's lock, as the scheduler protocol's do, and the slots a
 request holds are the slot ledger's record, so a host keeps no ledger of its own.
 """
@@ -15,9 +16,11 @@ from typing import Any
 from kvtier.keys import OffloadKey
 from kvtier.primary import PrimaryTier
 from kvtier.records import LookupResult, ReqContext
+from kvtier.tiering.admission import Deadlines, PromotionCosts
 from kvtier.tiering.completions import CompletionQueue
 from kvtier.tiering.ledger import Holder, SlotLedger
 from kvtier.tiering.lookups import PrefixLookup
+from kvtier.tiering.promotions import Promotions
 
 __all__ = ["HostAccess"]
 
@@ -28,7 +31,7 @@ _Lookup = Callable[[OffloadKey, str, "Collection[OffloadKey] | None"], LookupRes
 
 
 class HostAccess:
-    """The manager's face for an async host: prefixes, pins held, waiting."""
+    """The manager's face for a host: prefixes, pins held, waiting, deadlines, costs."""
 
     def __init__(
         self,
@@ -39,9 +42,15 @@ class HostAccess:
         primary: PrimaryTier,
         completions: CompletionQueue,
         step: Callable[[bool], bool],
+        promotions: Promotions,
+        costs: PromotionCosts,
+        deadlines: Deadlines,
         *,
         has_tiers: bool,
     ) -> None:
+        self._promotions = promotions
+        self._costs = costs
+        self._deadlines = deadlines
         self._lock = lock
         self._poll = poll
         self._lookup = lookup
@@ -50,6 +59,27 @@ class HostAccess:
         self._completions = completions
         self._step = step
         self._has_tiers = has_tiers
+
+    def set_recompute_cost(self, seconds_per_chunk: float | None) -> None:
+        """What recomputing one chunk costs the host (prefill seconds, updated as it
+        measures): a secondary hit whose promotion would take longer is a miss, counted
+        in ``kvtier_tiering_skipped_slower_than_recompute``. None: always promote.
+
+        Raises:
+            ValueError: ``seconds_per_chunk`` is not a positive number or None.
+        """
+        if seconds_per_chunk is not None and not seconds_per_chunk > 0:
+            raise ValueError(f"seconds_per_chunk must be > 0 or None, got {seconds_per_chunk!r}")
+        with self._lock:
+            self._costs.recompute_s_per_chunk = seconds_per_chunk
+
+    def expire_pending(self, req: ReqContext) -> None:
+        """Stop waiting for the request's pending chunks: they are misses for it from
+        now on, its promotions not started yet free their slots, and those that finish
+        later are not kept for it."""
+        with self._lock:
+            self._deadlines.expire(req.req_id)
+            self._promotions.drop_request(req.req_id)
 
     @property
     def num_chunks(self) -> int:

@@ -53,6 +53,8 @@ class PromotionEnded:
     loaded: list[OffloadKey]
     #: Keys the tier could not deliver (their slots are free, or kept for late I/O).
     failed: list[OffloadKey]
+    #: Seconds from the job's start on its tier to its outcome.
+    job_time: float
 
 
 @dataclass(slots=True)
@@ -171,7 +173,8 @@ class JobTable:
             now = time.perf_counter()
             counts.samples[Names.PROMOTION_LATENCY].append(now - entry.since)
             counts.samples[Names.PROMOTION_JOB_TIME].append(now - entry.launched)
-        return PromotionEnded(entry.tier, job.req_id, loaded, failed)
+        job_time = time.perf_counter() - entry.launched
+        return PromotionEnded(entry.tier, job.req_id, loaded, failed, job_time)
 
     def _cascade_finished(self, entry: _Job, outcome: JobOutcome) -> None:
         job, result = outcome.job, outcome.result

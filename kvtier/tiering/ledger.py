@@ -261,8 +261,8 @@ class SlotLedger:
         held = self._pins.get(holder)
         if held:
             slot_of = self._primary.slot_of
-            done = [key for key in held if not in_use(slot_of(key))]
-            self.release_held([k for key in done for k in [key] * held[key]], holder)
+            idle = [key for key in held if not in_use(slot_of(key))]
+            self.release_held([k for key in idle for k in [key] * held[key]], holder)
 
     def _in_use(self, slot: int | None) -> bool:
         return slot is not None and self._view is not None and self._view.in_use(slot)

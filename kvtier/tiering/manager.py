@@ -14,6 +14,7 @@ runs them.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Collection, Sequence
 
 from kvtier.keys import OffloadKey
@@ -29,7 +30,7 @@ from kvtier.records import (
 )
 from kvtier.region import SharedOffloadRegion
 from kvtier.resources import AsyncResource
-from kvtier.tiering.backpressure import Backpressure
+from kvtier.tiering.admission import Deadlines, PromotionCosts
 from kvtier.tiering.completions import OutcomeServer
 from kvtier.tiering.diagnostics import Diagnostics
 from kvtier.tiering.dispatch import Dispatcher
@@ -44,7 +45,7 @@ from kvtier.tiering.pins import PinService
 from kvtier.tiering.promotions import Promotions
 from kvtier.tiering.reporting import Reporting
 from kvtier.tiering.requests import RequestTable
-from kvtier.tiering.runner import TierRunner, start_in_order
+from kvtier.tiering.runner import start_in_order
 from kvtier.tiering.state import TierState
 from kvtier.tiers.base import SecondaryTier
 
@@ -59,9 +60,8 @@ _MISS, _RETRY = LookupResult.MISS, LookupResult.RETRY
 class TieringOffloadingManager(AsyncResource):
     """Keeps track of what every tier holds and moves chunks between them.
 
-    Its methods are the scheduler protocol (DESIGN section 4). What an async host needs
-    beyond it is :attr:`host`; counts and samples for benchmarks and operators are
-    :attr:`diagnostics`.
+    Its methods are the scheduler protocol (DESIGN section 4); what hosts need beyond
+    it is :attr:`host`, counts and samples for operators :attr:`diagnostics`.
 
     Without secondary tiers it is the CPU spec's manager and needs no event loop; with
     tiers, they run on ``loop``: the async host's own (``HostLoop``) or a loop thread
@@ -80,6 +80,8 @@ class TieringOffloadingManager(AsyncResource):
         store_threshold: int = 0,
         max_tracked_lookups: int = 64_000,
         loop: TierLoop | None = None,
+        recompute_s_per_chunk: float | None = None,
+        max_pending_s: float | None = None,
     ) -> None:
         options = list(tier_options) if tier_options is not None else [TierOptions()] * len(tiers)
         if len(options) != len(tiers):
@@ -105,13 +107,7 @@ class TieringOffloadingManager(AsyncResource):
         self._completions = OutcomeServer(self.lock, self._loop, self._poll).queue
         self._pending = self._completions.pending
         post = self._completions.post
-        self._tiers = [
-            TierState(
-                TierRunner(i, tier, opt.runner, post),
-                Backpressure(opt.backpressure) if opt.backpressure is not None else None,
-            )
-            for i, (tier, opt) in enumerate(zip(tiers, options, strict=True))
-        ]
+        self._tiers = TierState.build(tiers, options, post)
         self._jobs = JobTable(
             primary,
             self._ledger,
@@ -131,11 +127,16 @@ class TieringOffloadingManager(AsyncResource):
             self.metrics, primary, self._ledger, self._tiers, self._jobs.in_flight
         )
         self._counts = self._report.counts
+        self._costs = PromotionCosts(len(tiers), recompute_s_per_chunk)
+        self._deadlines = Deadlines(max_pending_s)
         self._promotions = Promotions(
             primary,
             self._jobs,
             self._counts,
             [opt.runner.max_promotion_chunks for opt in options],
+            self._costs,
+            [state.lookups for state in self._tiers],
+            [state.counts for state in self._tiers],
         )
         self._dispatch = Dispatcher(
             self._loop,
@@ -148,6 +149,8 @@ class TieringOffloadingManager(AsyncResource):
             pins,
             self._finish_request,
             lambda: self._life.closed,
+            self._costs,
+            self._deadlines,
         )
         self.host = HostAccess(
             self.lock,
@@ -157,6 +160,9 @@ class TieringOffloadingManager(AsyncResource):
             primary,
             self._completions,
             self._step_and_check,
+            self._promotions,
+            self._costs,
+            self._deadlines,
             has_tiers=bool(self._tiers),
         )
         self.diagnostics = Diagnostics(self.lock, self._report, self._ledger, self._tiers)
@@ -219,20 +225,15 @@ class TieringOffloadingManager(AsyncResource):
         refs = self.primary.ref_count(key)
         if refs is not None:
             counters[_HITS] += 1
-            return _HIT if refs >= 0 else _HIT_PENDING
-        retry = False
-        for index, state in enumerate(self._tiers):
-            present = state.lookups.answer(key, req_id)
-            if present is None:
-                retry = True
-            elif present:
-                # The first tier holding the key promotes it; no slot left: a miss.
-                evicted = self._promotions.begin(index, key, req_id, protected)
-                if evicted is None:
-                    return _MISS
-                self._evicted(evicted)
-                return _HIT_PENDING
-        return _RETRY if retry else _MISS
+            if refs >= 0:
+                return _HIT
+            return _MISS if self._deadlines.expired(req_id, time.perf_counter()) else _HIT_PENDING
+        if not self._tiers or self._deadlines.expired(req_id, time.perf_counter()):
+            return _MISS
+        result, evicted = self._promotions.resolve(key, req_id, protected)
+        if evicted:
+            self._evicted(evicted)
+        return result
 
     # ---------------------------------------------------------------- loads
 
@@ -313,6 +314,7 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             req_id = req.req_id
             self._promotions.drop_request(req_id)
+            self._deadlines.forget(req_id)
             self._ledger.release_all(Holder.reserved(req_id))
             self._ledger.release_all(Holder.request(req_id))
             if self._requests.finish(req_id):
@@ -360,10 +362,6 @@ class TieringOffloadingManager(AsyncResource):
         """Resolve once a job, lookup or store finished (at once if one already has)."""
         await self.host.wait_for_completions()
 
-    def wait_for_completions_blocking(self, timeout: float | None = None) -> None:
-        """:meth:`wait_for_completions` for a synchronous host's thread."""
-        self.host.wait_for_completions_blocking(timeout)
-
     async def drain(self) -> None:
         """Send what the step queued, resolve once nothing is in flight, flush the metrics."""
         await self.host.drain()
@@ -407,6 +405,7 @@ class TieringOffloadingManager(AsyncResource):
                 self._finish_request(req_id)
             for state in self._tiers:
                 state.lookups.clear_answers()
+            self._deadlines.clear()
 
     def on_reset_flushed(self) -> None:
         """The host's copies in flight at the last reset have ended: reuse their slots."""
@@ -443,7 +442,6 @@ class TieringOffloadingManager(AsyncResource):
             self._region.close()
 
     def _flush_for_collection(self) -> None:
-        """A metrics collection begins, on any thread: flush what this step counted so
-        far (a scrape holds the scheduler up no longer than a step's end does)."""
+        """A collection begins, on any thread: flush what this step counted so far."""
         with self.lock:
             self._report.flush()

@@ -17,11 +17,16 @@ from dataclasses import dataclass, field
 from kvtier.keys import OffloadKey
 from kvtier.metrics import Names
 from kvtier.primary import PrimaryTier
+from kvtier.records import LookupResult
+from kvtier.tiering.admission import PromotionCosts
 from kvtier.tiering.jobs import JobTable
+from kvtier.tiering.lookups import TierLookups
 from kvtier.tiering.stats import Counts
 from kvtier.tiers.base import TransferJob
 
 __all__ = ["Promotions"]
+
+_HIT_PENDING, _MISS, _RETRY = LookupResult.HIT_PENDING, LookupResult.MISS, LookupResult.RETRY
 
 
 @dataclass(slots=True)
@@ -36,13 +41,20 @@ class _Queued:
 class _TierQueue:
     """One tier's promotions: this step's, and those of past steps waiting for a job."""
 
-    __slots__ = ("budget", "step", "waiting")
+    __slots__ = ("budget", "chunks", "step", "waiting")
 
     def __init__(self, budget: int | None) -> None:
         self.budget = budget
         self.step: dict[str, _Queued] = {}
         #: Oldest first.
         self.waiting: dict[str, _Queued] = {}
+        #: Chunks in ``step`` and ``waiting`` together.
+        self.chunks = 0
+
+    def queued_for(self, req_id: str) -> int:
+        """Chunks of the request queued here (this step's and waiting)."""
+        step, waiting = self.step.get(req_id), self.waiting.get(req_id)
+        return (len(step.keys) if step else 0) + (len(waiting.keys) if waiting else 0)
 
     def seal(self) -> None:
         for req_id, queued in self.step.items():
@@ -60,13 +72,14 @@ class _TierQueue:
         if self.budget is None:
             taken = list(self.waiting.items())
             self.waiting.clear()
-            return taken
-        taken = []
-        while self.waiting and (in_flight_chunks < self.budget or in_flight_chunks == 0):
-            req_id = next(iter(self.waiting))
-            queued = self.waiting.pop(req_id)
-            taken.append((req_id, queued))
-            in_flight_chunks += len(queued.keys)
+        else:
+            taken = []
+            while self.waiting and (in_flight_chunks < self.budget or in_flight_chunks == 0):
+                req_id = next(iter(self.waiting))
+                queued = self.waiting.pop(req_id)
+                taken.append((req_id, queued))
+                in_flight_chunks += len(queued.keys)
+        self.chunks -= sum(len(queued.keys) for _, queued in taken)
         return taken
 
 
@@ -79,11 +92,48 @@ class Promotions:
         jobs: JobTable,
         counts: Counts,
         budgets: Sequence[int | None],
+        costs: PromotionCosts,
+        lookups: Sequence[TierLookups],
+        tier_counts: Sequence[Counts],
     ) -> None:
         self._primary = primary
         self._jobs = jobs
         self._counts = counts
         self._queues = [_TierQueue(budget) for budget in budgets]
+        self._costs = costs
+        self._lookups = lookups
+        self._tier_counts = tier_counts
+
+    def resolve(
+        self, key: OffloadKey, req_id: str, protected: Collection[OffloadKey] | None
+    ) -> tuple[LookupResult, list[OffloadKey]]:
+        """Ask the secondary tiers for a key the primary tier lacks, in order; the
+        answer, and the keys evicted to make room for its promotion.
+
+        The first tier that holds the key promotes it (HIT_PENDING), unless the
+        promotion would arrive after the host could recompute the chunk (a counted
+        MISS) or no slot can be had (a counted MISS). A tier still being asked makes
+        the answer RETRY if no later tier has the key.
+        """
+        retry = False
+        for tier, lookups in enumerate(self._lookups):
+            present = lookups.answer(key, req_id)
+            if present is None:
+                retry = True
+            elif present:
+                if not self.worth_it(tier, req_id):
+                    self._tier_counts[tier].counters[Names.SKIPPED_SLOWER_THAN_RECOMPUTE] += 1
+                    return _MISS, []
+                evicted = self.begin(tier, key, req_id, protected)
+                return (_MISS, []) if evicted is None else (_HIT_PENDING, evicted)
+        return (_RETRY if retry else _MISS), []
+
+    def worth_it(self, tier: int, req_id: str) -> bool:
+        """Whether one more chunk promoted for the request from ``tier`` would arrive
+        before the host could recompute it (:mod:`~kvtier.tiering.admission`)."""
+        queue = self._queues[tier]
+        ahead = self._jobs.in_flight[tier].promotion_chunks + queue.chunks
+        return not self._costs.loses(tier, ahead, queue.queued_for(req_id))
 
     def busy(self, tier: int) -> bool:
         """Whether promotions of ``tier`` are queued or waiting for a job."""
@@ -112,6 +162,7 @@ class Promotions:
             queued = step[req_id] = _Queued(since=time.perf_counter())
         queued.keys.append(key)
         queued.slots.append(out.store_spec.chunk_ids[0])
+        self._queues[tier].chunks += 1
         return out.evicted_keys
 
     def end_step(self, tier: int, now: float) -> list[TransferJob]:
@@ -133,6 +184,7 @@ class Promotions:
         for queue in self._queues:
             for queued in (queue.step.pop(req_id, None), queue.waiting.pop(req_id, None)):
                 if queued is not None:
+                    queue.chunks -= len(queued.keys)
                     self._primary.complete_write(queued.keys, False)
 
     def drop_all(self) -> None:
@@ -142,6 +194,7 @@ class Promotions:
                 self._primary.complete_write(queued.keys, False)
             queue.step.clear()
             queue.waiting.clear()
+            queue.chunks = 0
 
     def _start(self, tier: int, now: float) -> list[TransferJob]:
         jobs = self._jobs

@@ -9,12 +9,17 @@ by the tier's index.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from kvtier.metrics import MetricsRecorder, Names
 from kvtier.tiering.backpressure import Backpressure
 from kvtier.tiering.jobs import InFlight
 from kvtier.tiering.lookups import TierLookups
+from kvtier.tiering.options import TierOptions
+from kvtier.tiering.outcomes import Outcome
 from kvtier.tiering.runner import TierRunner
 from kvtier.tiering.stats import Counts
+from kvtier.tiers.base import SecondaryTier
 
 __all__ = ["TierState"]
 
@@ -40,6 +45,22 @@ class TierState:
         self.counts = Counts(self.label)
         self.lookups = TierLookups(self.tier, self.counts)
         self._integrity_reported = 0
+
+    @classmethod
+    def build(
+        cls,
+        tiers: Sequence[SecondaryTier],
+        options: Sequence[TierOptions],
+        post: Callable[[Outcome], None],
+    ) -> list[TierState]:
+        """One state per tier, its runner posting outcomes through ``post``."""
+        return [
+            cls(
+                TierRunner(index, tier, opt.runner, post),
+                Backpressure(opt.backpressure) if opt.backpressure is not None else None,
+            )
+            for index, (tier, opt) in enumerate(zip(tiers, options, strict=True))
+        ]
 
     def flush(self, metrics: MetricsRecorder, in_flight: InFlight, num_chunks: int) -> None:
         """Hand the tier's counts and gauges to the recorder."""

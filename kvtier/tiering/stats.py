@@ -110,6 +110,7 @@ TOTALS = (
     ("promotion_failures", Names.PROMOTION_JOB_FAILURES),
     ("cascade_failures", Names.CASCADE_JOB_FAILURES),
     ("late_completions", Names.LATE_COMPLETIONS),
+    ("skipped_slower_than_recompute", Names.SKIPPED_SLOWER_THAN_RECOMPUTE),
 )
 
 

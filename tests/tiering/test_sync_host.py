@@ -23,7 +23,7 @@ def step_until(manager, predicate, limit_s: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "the manager made no progress"
         manager.on_schedule_end()
-        manager.wait_for_completions_blocking(0.1)
+        manager.host.wait_for_completions_blocking(0.1)
 
 
 def store(manager, ks, req=REQ):

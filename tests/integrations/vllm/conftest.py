@@ -232,7 +232,7 @@ class Engine:
             if jobs:
                 self.worker.connector_worker.worker.kvtier.wait(set(jobs), 0.02)  # type: ignore[union-attr]
             if self.manager.has_pending_work():
-                self.manager.kvtier.wait_for_completions_blocking(0.02)
+                self.manager.kvtier.host.wait_for_completions_blocking(0.02)
             assert steps < max_steps, (
                 "the engine did not settle: requests "
                 f"{self.scheduler.has_requests()}, connector jobs "
@@ -254,7 +254,7 @@ class Engine:
             self.step()
             if not kvtier_manager.has_pending_work():
                 return
-            kvtier_manager.wait_for_completions_blocking(0.05)
+            kvtier_manager.host.wait_for_completions_blocking(0.05)
         raise AssertionError("kvtier's tiers did not settle")
 
     def wipe_gpu(self) -> None:

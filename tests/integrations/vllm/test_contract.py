@@ -210,7 +210,7 @@ def test_vllms_stats_get_every_count_once_the_tiers_fall_idle(engine_id, tmp_pat
         for _ in range(400):
             if not manager.has_pending_work():
                 break
-            manager.kvtier.wait_for_completions_blocking(0.05)
+            manager.kvtier.host.wait_for_completions_blocking(0.05)
             payloads.append(manager.get_stats())
         assert not manager.has_pending_work()
         payloads.append(manager.get_stats())
@@ -233,7 +233,7 @@ def test_a_load_source_names_the_tier_the_chunk_was_promoted_from(engine_id, tmp
         out = manager.prepare_store([on_disk], writer)
         manager.complete_store(out.keys_to_store, writer)
         while manager.has_pending_work():
-            manager.kvtier.wait_for_completions_blocking(0.05)
+            manager.kvtier.host.wait_for_completions_blocking(0.05)
         manager.reset_cache()
         manager.on_reset_flushed()
         out = manager.prepare_store([in_memory], writer)
@@ -244,7 +244,7 @@ def test_a_load_source_names_the_tier_the_chunk_was_promoted_from(engine_id, tmp
             if manager.lookup(on_disk, reader) is vllm_base.LookupResult.HIT:
                 break
             manager.on_schedule_end(end)
-            manager.kvtier.wait_for_completions_blocking(0.05)
+            manager.kvtier.host.wait_for_completions_blocking(0.05)
         assert manager.lookup(in_memory, reader) is vllm_base.LookupResult.HIT
         assert manager.get_load_source(on_disk, reader) is CacheHitSource.DISK
         assert manager.get_load_source(in_memory, reader) is CacheHitSource.HOST

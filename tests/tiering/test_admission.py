@@ -1,0 +1,111 @@
+"""Load or recompute, and how long a request waits: promotions that would lose to
+recomputing are misses, and a request's pending chunks become misses at its deadline."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from helpers import keys, scripted
+from scripted_tier import ScriptedTier
+from tiering_helpers import HIT, MISS, PENDING, evict_all, fill, opened, resolve
+
+from kvtier import ReqContext
+from kvtier.metrics import Names
+
+pytestmark = pytest.mark.anyio
+
+
+def skipped(manager) -> float:
+    label = manager.diagnostics.tier_labels[0]
+    return manager.diagnostics.tier_stats()[label]["skipped_slower_than_recompute"]
+
+
+async def stored_in_tier_only(manager, count: int, prefix: str):
+    """``count`` chunks stored, cascaded, then pushed out of the primary tier."""
+    ks = keys(prefix, count)
+    fill(manager, ks)
+    await manager.drain()
+    await evict_all(manager, manager.host.num_chunks)
+    assert all(manager.primary.slot_of(key) is None for key in ks)
+    return ks
+
+
+async def test_a_tier_slower_than_recomputing_answers_misses_once_measured(engine_id):
+    # 0.2 s per one-chunk job against 0.01 s to recompute a chunk: loading loses.
+    tier = scripted("slow", instant=True, load_delay_s=0.2)
+    async with opened(engine_id, [tier], chunks=8, recompute_s_per_chunk=0.01) as manager:
+        first, second = await stored_in_tier_only(manager, 2, "slow")
+        # Nothing measured yet: the first hit is promoted, and its job measures the tier.
+        assert await resolve(manager, first, ReqContext("a")) is HIT
+        jobs = len(ScriptedTier.instances["slow"].load_jobs)
+        assert manager.lookup(second, ReqContext("b")) is MISS
+        assert len(ScriptedTier.instances["slow"].load_jobs) == jobs  # no job started
+        assert skipped(manager) == 1
+        assert manager.primary.slot_of(second) is None  # no slot was taken for it
+
+
+async def test_a_tier_faster_than_recomputing_is_still_used(engine_id):
+    tier = scripted("fast", instant=True)
+    async with opened(engine_id, [tier], chunks=8, recompute_s_per_chunk=1.0) as manager:
+        first, second = await stored_in_tier_only(manager, 2, "fast")
+        assert await resolve(manager, first, ReqContext("a")) is HIT
+        assert await resolve(manager, second, ReqContext("b")) is HIT
+        assert skipped(manager) == 0
+
+
+async def test_the_recompute_cost_can_be_given_later_and_is_checked(engine_id):
+    tier = scripted("later", instant=True, load_delay_s=0.2)
+    async with opened(engine_id, [tier], chunks=8) as manager:
+        first, second = await stored_in_tier_only(manager, 2, "later")
+        assert await resolve(manager, first, ReqContext("a")) is HIT
+        assert manager.lookup(second, ReqContext("b")) is PENDING  # no cost given: promote
+        manager.host.expire_pending(ReqContext("b"))
+        with pytest.raises(ValueError, match="seconds_per_chunk must be > 0"):
+            manager.host.set_recompute_cost(0)
+        manager.host.set_recompute_cost(0.01)
+        assert manager.lookup(second, ReqContext("c")) in (MISS, PENDING)
+
+
+async def test_pending_chunks_become_misses_at_the_request_deadline(engine_id):
+    tier = scripted("held", instant=True)
+    async with opened(engine_id, [tier], chunks=8, max_pending_s=0.2) as manager:
+        [key] = await stored_in_tier_only(manager, 1, "held")
+        ScriptedTier.instances["held"].gate.clear()  # the promotion cannot finish
+        req = ReqContext("waiting")
+        assert manager.lookup(key, req) is PENDING
+        manager.on_schedule_end()
+        # A synchronous scheduler looks its waiting requests up every step.
+        with anyio.fail_after(10):
+            while manager.lookup(key, req) is PENDING:
+                manager.on_schedule_end()
+                await anyio.sleep(0.02)
+        assert manager.lookup(key, req) is MISS  # the deadline passed
+        # Another request still waits for the same promotion.
+        assert manager.lookup(key, ReqContext("other")) is PENDING
+        ScriptedTier.instances["held"].gate.set()
+        await manager.drain()
+        # The chunk landed, and is not kept for the request that gave up on it.
+        assert manager.lookup(key, ReqContext("other")) is HIT
+        assert manager.primary.num_busy == 0
+
+
+async def test_a_request_that_gives_up_frees_its_queued_promotions(engine_id):
+    tier = scripted("queued", instant=True)
+    async with opened(engine_id, [tier], chunks=8) as manager:
+        ks = await stored_in_tier_only(manager, 3, "queued")
+        req = ReqContext("impatient")
+        assert [manager.lookup(key, req) for key in ks] == [PENDING] * 3
+        assert all(manager.primary.slot_of(key) is not None for key in ks)  # slots taken
+        free = manager.primary.num_free
+        manager.host.expire_pending(req)
+        assert manager.primary.num_free == free + 3
+        assert all(manager.lookup(key, req) is MISS for key in ks)
+        assert not ScriptedTier.instances["queued"].load_jobs
+        manager.on_request_finished(req)
+        assert manager.lookup(ks[0], ReqContext("fresh")) is PENDING
+
+
+def test_the_skip_counter_is_a_tiering_metric():
+    from kvtier.metrics import tiering_metric_definitions
+
+    assert Names.SKIPPED_SLOWER_THAN_RECOMPUTE in tiering_metric_definitions()
