@@ -105,7 +105,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         raw_d2h, raw_h2d = raw_bandwidth(job_bytes, device, args.jobs)
     finally:
         await worker.aclose()
-        spec.shutdown()
+        await spec.aclose()
     return {
         "device": 0.0 if device.type == "cpu" else 1.0,
         "job_mib": job_bytes / 2**20,

@@ -129,6 +129,7 @@ class KVTier(AsyncResource):
         self._requests: dict[str, _Request] = {}
         self._fence = _Fence()
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     async def open(
@@ -156,6 +157,7 @@ class KVTier(AsyncResource):
             self.config, registry=self._registry, shm_dir=self._shm_dir
         )
         self._spec = spec
+        self._loop = asyncio.get_running_loop()
         try:
             self._manager = spec.get_manager(loop=HostLoop())
             await self._manager.start()
@@ -426,7 +428,8 @@ class KVTier(AsyncResource):
     async def aclose(self) -> None:
         """Let the calls in flight end, drain, then close the worker, the manager (and
         its tiers) and the region. Idempotent; whatever fails on the way is logged and
-        everything is still closed."""
+        everything is still closed. ``close()`` is the same for another thread: it runs
+        on the loop the facade was opened on."""
         if self._closed:
             return
         self._closed = True
@@ -437,6 +440,10 @@ class KVTier(AsyncResource):
         finally:
             if self._spec is not None:
                 await self._spec.aclose()
+
+    def _home_loop(self) -> asyncio.AbstractEventLoop | None:
+        # The fence, the copies and the tiers live on the loop the facade was opened on.
+        return self._loop
 
     async def _close_requests(self) -> None:
         try:

@@ -38,13 +38,13 @@ import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy
 
 from kvtier.config import PAGE_SIZE, ChunkGeometry
 from kvtier.errors import RegionError
+from kvtier.resources import BlockingResource
 
 if TYPE_CHECKING:
     import torch
@@ -132,7 +132,7 @@ class PrimaryView:
             yield self[chunk_id]
 
 
-class SharedOffloadRegion:
+class SharedOffloadRegion(BlockingResource):
     """One process's mapping of an engine's primary region.
 
     ``rank=None`` opens the scheduler side (whole rows: :attr:`rows`,
@@ -299,17 +299,6 @@ class SharedOffloadRegion:
                 self._unlink_if_ours()
             os.close(self._fd)
             self._fd = None
-
-    def __enter__(self) -> SharedOffloadRegion:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         side = "scheduler" if self.rank is None else f"rank {self.rank}"

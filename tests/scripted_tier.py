@@ -52,6 +52,8 @@ class ScriptedTier(SecondaryTier):
         self.removed_from_primary: list[OffloadKey] = []
         self.started = False
         self.closed = False
+        #: How many times the framework closed it (once, however often its owner is).
+        self.closes = 0
         ScriptedTier.instances[self.name] = self
 
     async def start(self) -> None:
@@ -105,6 +107,7 @@ class ScriptedTier(SecondaryTier):
 
     async def aclose(self) -> None:
         self.closed = True
+        self.closes += 1
         if self.fail_close:
             raise OSError(5, f"tier {self.name} fails to close")
 

@@ -30,7 +30,7 @@ async def opened(engine_id, tiers, **kw):
         for tier in ScriptedTier.instances.values():
             tier.gate.set()
         await manager.aclose()
-        spec.shutdown()
+        await spec.aclose()
 
 
 WRITER = ReqContext("writer")

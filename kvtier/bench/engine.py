@@ -22,6 +22,7 @@ from kvtier.bench.settings import BenchSettings
 from kvtier.bench.workloads import BenchRequest, chain_keys
 from kvtier.facade import KVTier
 from kvtier.keys import OffloadKey
+from kvtier.resources import BlockingResource
 from kvtier.worker.engines import ThreadedCopyEngine
 
 __all__ = ["Engine", "ServedRequest", "copy_engine", "device", "kv_caches"]
@@ -44,7 +45,7 @@ class ServedRequest:
     store_s: float
 
 
-class Engine:
+class Engine(BlockingResource):
     """A GPU block pool and the requests it serves through ``kv``."""
 
     def __init__(self, kv: KVTier, caches: list[torch.Tensor], blocks: int, timeout: float) -> None:

@@ -76,7 +76,7 @@ async def run_bench(
                 try:
                     run = await replay(kv, engine, workload, settings, progress)
                 finally:
-                    engine.close()
+                    await engine.aclose()
                 labels = [PRIMARY, *kv.manager.diagnostics.tier_labels]
                 counts = kv.manager.diagnostics.tier_stats()
                 promotions = kv.manager.diagnostics.promotion_latencies()

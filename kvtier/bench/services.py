@@ -154,7 +154,7 @@ async def _serve_peer(settings: BenchSettings, secret: str, conn: Connection) ->
                 part = keys[first : first + batch]
                 stored += await engine.compute_and_store(part, f"peer-{first}")
         finally:
-            engine.close()
+            await engine.aclose()
         await kv.drain()
         peer = next(t for t in kv.manager.tiers if isinstance(t, PeerTier))
         conn.send(("ready", peer.listen_address, stored))

@@ -456,7 +456,8 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         ]
 
     def shutdown(self) -> None:
-        self.spec.shutdown()
+        # vLLM's verb for a blocking close: what this adapter owns closes with close().
+        self.spec.close()
 
 
 def _context(req_context: vllm_base.ReqContext) -> ReqContext:
@@ -520,4 +521,5 @@ class KVTierOffloadingWorker(vllm_base.OffloadingWorker):  # type: ignore[misc]
         self.kvtier.wait(job_ids)
 
     def shutdown(self) -> None:
+        # vLLM's verb for a blocking close: the worker closes with close().
         self.kvtier.close()

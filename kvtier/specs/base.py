@@ -30,10 +30,10 @@ class OffloadingSpec(AsyncResource):
     """A way of offloading: reads the config and builds what the host needs.
 
     The scheduler process calls :meth:`get_manager`; each worker process calls
-    :meth:`create_worker` with its KV tensors; :meth:`shutdown` (or ``await``
-    :meth:`aclose`) releases whatever either built. Out-of-tree specs subclass this (or
-    a built-in spec) and are selected with ``extra_config["spec_name"]`` plus
-    ``extra_config["spec_module_path"]``.
+    :meth:`create_worker` with its KV tensors; ``await`` :meth:`aclose` (or ``close()``,
+    or :meth:`shutdown`, for a caller that may block) releases whatever either built.
+    Out-of-tree specs subclass this (or a built-in spec) and are selected with
+    ``extra_config["spec_name"]`` plus ``extra_config["spec_module_path"]``.
 
     Every ``extra_config`` key must be read by the spec or listed in
     :attr:`extra_keys`; any other key raises :class:`~kvtier.ConfigError`, so a typo
@@ -108,10 +108,13 @@ class OffloadingSpec(AsyncResource):
         """A worker for rank ``config.rank`` copying between ``kv_caches`` and the region."""
 
     def shutdown(self) -> None:
-        """Release the manager, workers and regions this spec built. Idempotent.
-
-        Blocks while copies and tier jobs drain; an async host awaits :meth:`aclose`.
-        """
+        """vLLM's name for ``close()`` (DESIGN section 2), and the same call: blocks
+        while copies and tier jobs drain."""
+        self.close()
 
     async def aclose(self) -> None:
-        """:meth:`shutdown` without blocking the event loop."""
+        """Release the manager, workers and regions this spec built. Idempotent.
+
+        A spec that builds nothing to release keeps this default. ``close()`` is the
+        same for a caller that may block (:mod:`kvtier.resources`).
+        """

@@ -11,6 +11,7 @@ from kvtier.config import ChunkGeometry, OffloadingConfig
 from kvtier.metrics import MetricDefinition, MetricsRecorder, cpu_metric_definitions
 from kvtier.primary import PrimaryTier
 from kvtier.region import SharedOffloadRegion
+from kvtier.resources import Resource, aclose_all
 from kvtier.specs.base import OffloadingSpec
 from kvtier.tiering.manager import TieringOffloadingManager
 from kvtier.worker.worker import OffloadingWorker
@@ -112,20 +113,11 @@ class CPUOffloadingSpec(OffloadingSpec):
         self._workers.append(worker)
         return worker
 
-    def shutdown(self) -> None:
-        # An exit stack closes everything even if one close raises: workers, then the
-        # manager (last in, first out).
-        workers, self._workers = self._workers, []
-        with contextlib.ExitStack() as closing:
-            if self._manager is not None:
-                closing.callback(self._manager.shutdown)
-            for worker in workers:
-                closing.callback(worker.close)
-
     async def aclose(self) -> None:
-        workers, self._workers = self._workers, []
-        async with contextlib.AsyncExitStack() as closing:
-            if self._manager is not None:
-                closing.push_async_callback(self._manager.aclose)
-            for worker in workers:
-                closing.push_async_callback(worker.aclose)
+        # The reverse of building: the workers, the last built first, then the manager.
+        # Each closes however the others went.
+        parts: list[Resource] = list(reversed(self._workers))
+        if self._manager is not None:
+            parts.append(self._manager)
+        await aclose_all(type(self).__name__, parts)
+        self._workers.clear()

@@ -95,7 +95,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             try:
                 manager.start_blocking()
             except BaseException:
-                manager.shutdown()
+                manager.close()
                 raise
         logger.info(
             "tiering: %d primary chunks of %d bytes, tiers %s",

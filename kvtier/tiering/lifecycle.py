@@ -3,9 +3,12 @@
 A synchronous host starts and closes the manager from its scheduler thread, an async
 host from its own loop, and a facade may do either from a loop that is not the tiers'
 one. :class:`Lifecycle` runs the manager's start and close coroutines on the tier loop
-in every case, at most once each, with every caller awaiting that one run; each
-blocking call is one portal call over its async twin (:meth:`TierLoop.run`). A manager
-without secondary tiers has no loop: its coroutines never suspend and run inline.
+in every case, at most once each, with every caller awaiting that one run. Starting
+blocks through one portal call over its async twin (:meth:`TierLoop.run`). Closing is
+an :class:`~kvtier.resources.AsyncResource`: :meth:`Lifecycle.aclose` hands the close to
+the tier loop and then, back on the caller's side, closes a loop thread it owns (which
+cannot be stopped from on it); the blocking ``close()`` is derived from it. A manager
+without secondary tiers has no loop: its coroutines run on the caller's.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from kvtier.resources import Once
+from kvtier.resources import AsyncResource, Once
 from kvtier.tiering.loop import TierLoop, run_inline
 
 __all__ = ["Lifecycle"]
@@ -23,7 +26,7 @@ _T = TypeVar("_T")
 _Step = Callable[[], Coroutine[Any, Any, None]]
 
 
-class Lifecycle:
+class Lifecycle(AsyncResource):
     """When the manager may work: started, closing, released.
 
     ``start`` brings the tiers up; ``close`` drains and closes them. :attr:`closed`
@@ -61,36 +64,22 @@ class Lifecycle:
         await self._starting.wait()
 
     async def aclose(self) -> None:
-        if not self.released:
-            await self.on_loop(self._close_on_loop)
-            self._release()
-
-    def close_blocking(self) -> None:
-        if not self.released:
-            self.block_on(self._close_on_loop)
-            self._release()
-
-    async def _close_on_loop(self) -> None:
-        if self._loop is None:
-            # No loop to hand the run to (Once needs one); nothing suspends here, and
-            # ``released`` keeps a second close from running it again.
-            if not self.released:
-                await self._close()
+        """Close on the tier loop (once, whoever asks), then release the loop."""
+        if self.released:
             return
-        await self._closing()
+        await self.on_loop(self._closing)
+        self.released = True
+        loop = self._loop
+        if loop is not None and not loop.in_loop_thread():
+            await loop.aclose()
 
     async def _close(self) -> None:
         self.closed = True
         await self._close_fn()
 
-    def _release(self) -> None:
-        self.released = True
-        loop = self._loop
-        if loop is not None and not loop.in_loop_thread():
-            loop.close()
-
     async def on_loop(self, fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
-        """Await ``fn()`` on the tier loop, whichever loop the caller is on."""
+        """Await ``fn()`` on the tier loop, whichever loop the caller is on (on the
+        caller's when there is no tier loop)."""
         if self._loop is None:
             return await fn()
         return await self._loop.run_async(fn)

@@ -7,26 +7,29 @@ scheduler-facing calls never wait for the loop: they hand work over and return.
 
 Blocking calls are portal calls, as in anyio's blocking portal: :meth:`TierLoop.run`
 runs an async function on the loop and blocks the calling thread until it returns, so
-each blocking method of the manager is one line over its async twin. A manager without
-secondary tiers has no loop; its async methods never suspend, and :func:`run_inline`
-runs them to the end on the calling thread.
+each blocking method of the manager is one line over its async twin (``close()`` as
+well, derived by :mod:`kvtier.resources` as for every resource). A manager without
+secondary tiers has no loop; its async methods other than ``aclose`` never suspend,
+and :func:`run_inline` runs them to the end on the calling thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
+
+from kvtier.resources import BlockingResource
 
 __all__ = ["HostLoop", "LoopThread", "TierLoop", "run_inline"]
 
 _T = TypeVar("_T")
 
 
-class TierLoop(ABC):
-    """Where the tiers' coroutines run."""
+class TierLoop(BlockingResource):
+    """Where the tiers' coroutines run; closing it stops a loop it runs itself."""
 
     loop: asyncio.AbstractEventLoop
 
@@ -57,12 +60,15 @@ class TierLoop(ABC):
         future = asyncio.run_coroutine_threadsafe(fn(), self.loop)
         return await asyncio.wrap_future(future)
 
-    def close(self) -> None:  # noqa: B027 - a host's loop has nothing to stop
-        """Stop a loop this object runs; idempotent. A host's loop is left alone."""
+    def close(self) -> None:
+        """Stop a loop this object runs (never from its own thread); idempotent. A
+        host's loop is left alone."""
 
 
 class HostLoop(TierLoop):
     """The async host's own loop: the one running where this object is built."""
+
+    close_blocks: ClassVar[bool] = False
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         if loop is None:

@@ -29,7 +29,7 @@ from kvtier.records import (
     ScheduleEndContext,
 )
 from kvtier.region import SharedOffloadRegion
-from kvtier.resources import AsyncResource
+from kvtier.resources import AsyncResource, aclose_all
 from kvtier.tiering.admission import Deadlines, PromotionCosts
 from kvtier.tiering.completions import OutcomeServer
 from kvtier.tiering.diagnostics import Diagnostics
@@ -416,14 +416,14 @@ class TieringOffloadingManager(AsyncResource):
     # -------------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
-        """Drain and close the tiers, release the region and the loop. Idempotent.
-
-        Blocks until in-flight jobs finish; an async host awaits :meth:`aclose`.
-        """
-        self._life.close_blocking()
+        """vLLM's name for ``close()`` (DESIGN section 4), and the same call."""
+        self.close()
 
     async def aclose(self) -> None:
-        """Drain and close the tiers, release the region and the loop. Idempotent."""
+        """Drain and close the tiers, release the region and the loop. Idempotent.
+
+        ``close()`` is the same for a caller that may block: it waits for the jobs too.
+        """
         await self._life.aclose()
 
     async def _close_tiers(self) -> None:
@@ -431,15 +431,14 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             self._promotions.drop_all()
         await self._life.wait_started()
-        for state in reversed(self._tiers):
-            await state.runner.aclose()
+        await aclose_all("manager", [state.runner for state in reversed(self._tiers)])
         with self.lock:
             if self._pending:
                 self._dispatch.drain()
             self._report.flush()
         self.metrics.pull_from(None)
         if self._region is not None:
-            self._region.close()
+            await aclose_all("manager", [self._region])
 
     def _flush_for_collection(self) -> None:
         """A collection begins, on any thread: flush what this step counted so far."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.resources import BlockingResource
 from kvtier.worker.layout import ColumnLayout
 
 __all__ = [
@@ -75,7 +76,7 @@ class _CompletedEvent(CopyEvent):
 COMPLETED: CopyEvent = _CompletedEvent()
 
 
-class CopyEngine(ABC):
+class CopyEngine(BlockingResource):
     """Moves the bytes of whole chunks between a worker's KV tensors and its column.
 
     ``gpu_block_ids`` (``int64``, CPU) holds ``blocks_per_chunk`` block ids per chunk,
@@ -99,7 +100,7 @@ class CopyEngine(ABC):
     def load(self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor) -> CopyEvent:
         """Enqueue region slots -> GPU blocks."""
 
-    def close(self) -> None:  # noqa: B027 - engines without resources need nothing here
+    def close(self) -> None:
         """Release engine resources; every event it returned is complete by then."""
 
 

@@ -11,13 +11,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
-import anyio
 import torch
 
 from kvtier.errors import KVTierError
 from kvtier.records import TransferResult
 from kvtier.region import SharedOffloadRegion
-from kvtier.resources import AsyncResource, resolve_threadsafe
+from kvtier.resources import BlockingResource, close_all, resolve_threadsafe
 from kvtier.worker.engines import COMPLETED, LOAD, STORE, CopyEngine, CopyEvent, CpuCopyEngine
 from kvtier.worker.layout import ColumnLayout
 
@@ -31,7 +30,7 @@ BlockIds = Sequence[int] | torch.Tensor
 _Callback = Callable[[BaseException | None], None]
 
 
-class _Waiter:
+class _Waiter(BlockingResource):
     """One thread per lane that waits for its events in order and reports each one.
 
     Events of one lane (one CUDA stream) complete in submission order, so waiting on
@@ -48,8 +47,9 @@ class _Waiter:
         self._queue.put((event, callback))
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -62,7 +62,7 @@ class _Waiter:
                 callback(None)
 
 
-class OffloadingWorker(AsyncResource):
+class OffloadingWorker(BlockingResource):
     """Copies chunks between one rank's KV tensors and its column of the region.
 
     The worker owns ``region`` (this rank's mapping of it) and closes it when it closes.
@@ -188,23 +188,21 @@ class OffloadingWorker(AsyncResource):
     def close(self) -> None:
         """Wait for every copy, stop the waiter threads, release the engine and region.
 
-        Idempotent. Blocks the calling thread; async hosts use :meth:`aclose`.
+        Idempotent; a part that fails to close is logged and the rest still close.
+        Blocks the calling thread; async hosts ``await`` :meth:`aclose`.
         """
         if self._closed:
             return
         self._closed = True
         with self._idle:
             self._idle.wait_for(lambda: self._inflight == 0)
-        for waiter in self._waiters.values():
-            waiter.close()
+        label = f"rank {self.region.rank} worker"
+        close_all(label, [*self._waiters.values(), self.engine])
         self._waiters.clear()
-        self.engine.close()
+        # The layout's tensors view the region's mapping, which cannot be unmapped
+        # while they live.
         del self.layout
-        self.region.close()
-
-    async def aclose(self) -> None:
-        """:meth:`close` without blocking the event loop."""
-        await anyio.to_thread.run_sync(self.close)
+        close_all(label, [self.region])
 
     # -------------------------------------------------------------- internals
 

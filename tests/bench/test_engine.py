@@ -40,4 +40,4 @@ async def test_a_chunk_served_with_other_bytes_is_counted_wrong(engine_id, setti
             served = await engine.serve(BenchRequest("dirty", request.blocks))
             assert (served.hits, served.wrong_chunks) == (3, 1)
         finally:
-            engine.close()
+            await engine.aclose()

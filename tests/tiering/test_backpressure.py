@@ -134,4 +134,4 @@ async def test_a_slow_tier_gets_its_cascades_dropped_and_counted_while_loads_sti
         assert len(tier.load_jobs) == 1
     finally:
         await manager.aclose()
-        spec.shutdown()
+        await spec.aclose()

@@ -131,7 +131,7 @@ async def test_async_helpers_follow_the_stores_in_flight(engine_id):
     await manager.aclose()
     await manager.aclose()
     assert manager.region is not None and manager.region.closed
-    spec.shutdown()
+    await spec.aclose()
 
 
 def test_request_lifecycle_calls_are_accepted_in_any_order(engine_id):

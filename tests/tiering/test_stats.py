@@ -84,4 +84,4 @@ async def test_promotion_latencies_are_one_measured_time_per_job(engine_id):
         assert count == 2
     finally:
         await manager.aclose()
-        spec.shutdown()
+        await spec.aclose()

@@ -28,4 +28,4 @@ async def test_gpu_round_trip_through_the_region(engine_id):
             assert torch.equal(tensor[[7, 3, 1, 2]], tensor[40:44])
     finally:
         await worker.aclose()
-        spec.shutdown()
+        await spec.aclose()

@@ -55,7 +55,7 @@ async def test_store_then_load_round_trips_every_tensor(engine_id):
         for tensor in kv:
             assert torch.equal(tensor[[9, 1, 4, 5]], tensor[[20, 21, 22, 23]])
     finally:
-        spec.shutdown()
+        await spec.aclose()
 
 
 def test_a_chunk_packs_tensor_after_tensor_in_the_column(engine_id):
@@ -274,7 +274,7 @@ async def test_a_load_may_start_and_end_inside_a_chunk(engine_id):
             # Blocks outside the load are untouched.
             assert torch.equal(tensor[26:], old[26:]) and torch.equal(tensor[:20], old[:20])
     finally:
-        spec.shutdown()
+        await spec.aclose()
 
 
 @pytest.mark.anyio
@@ -290,7 +290,7 @@ async def test_a_store_inside_one_chunk_writes_only_its_blocks(engine_id):
             assert torch.equal(tensor[[20, 21, 22, 23]], tensor[[0, 9, 10, 3]])
         assert bytes(manager.region.primary_view[1]) != row_before
     finally:
-        spec.shutdown()
+        await spec.aclose()
 
 
 @pytest.mark.parametrize(

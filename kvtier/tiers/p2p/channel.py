@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import ssl
 from abc import ABC, abstractmethod
-from typing import TypeAlias, cast
+from typing import ClassVar, TypeAlias, cast
 
+from kvtier.resources import BlockingResource
 from kvtier.tiers.p2p.errors import PeerClosed
 
 __all__ = ["Buffer", "Channel", "Listener", "TlsChannel", "Transport", "format_address"]
@@ -36,12 +37,14 @@ def format_address(address: tuple[str, int]) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class Channel(ABC):
+class Channel(BlockingResource):
     """A connected, reliable byte stream to one peer.
 
     At most one coroutine reads and one sends at a time: the owner of a channel
     serialises its sends (one frame at a time) and runs one reading coroutine.
     """
+
+    close_blocks: ClassVar[bool] = False
 
     def __init__(self, peer: str) -> None:
         #: How logs name the other end (``"host:port"``).
@@ -93,8 +96,10 @@ class Channel(ABC):
             )
 
 
-class Listener(ABC):
+class Listener(BlockingResource):
     """Channels that peers open to one address."""
+
+    close_blocks: ClassVar[bool] = False
 
     @property
     @abstractmethod

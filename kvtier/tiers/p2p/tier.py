@@ -233,9 +233,9 @@ class PeerTier(SecondaryTier):
             return
         self._closed = True
         await self._tasks.aclose()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            await listener.aclose()
 
     async def _listen(self) -> Listener:
         path = f"{self.ctx.config_path}.listen"
