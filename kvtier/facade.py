@@ -7,8 +7,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -40,6 +40,16 @@ class _Request:
 
     #: Finished (or swept away by a reset): its pins are released, it takes no more.
     ended: bool = False
+    #: Keys the request said it computes (``lookup(claim=True)``), until it stores them.
+    claims: set[OffloadKey] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Claim:
+    """A request computing a chunk that others may wait for instead of computing it."""
+
+    owner: str
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class _Fence:
@@ -59,7 +69,7 @@ class _Fence:
         self._idle.set()
         self._active = 0
         #: Waits of lookups and stores for tier work: cancelled when a fence goes up.
-        self.waits: set[asyncio.Future[None]] = set()
+        self.waits: set[asyncio.Future[Any]] = set()
 
     @contextlib.asynccontextmanager
     async def operation(self, check: Callable[[], None]) -> AsyncIterator[None]:
@@ -127,6 +137,8 @@ class KVTier(AsyncResource):
         #: Copies that must run to their end even if their caller is cancelled.
         self._copies = TaskSet("KVTier", log_failures=False)
         self._requests: dict[str, _Request] = {}
+        #: Chunks being computed by a request that claimed them, by key.
+        self._claims: dict[OffloadKey, _Claim] = {}
         self._fence = _Fence()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -197,7 +209,12 @@ class KVTier(AsyncResource):
     # -------------------------------------------------------------- lookups
 
     async def lookup(
-        self, keys: Sequence[OffloadKey], req_id: str, timeout: float | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        req_id: str,
+        timeout: float | None = None,
+        *,
+        claim: bool = False,
     ) -> int:
         """How many leading ``keys`` are available, promoting them into the primary tier.
 
@@ -209,15 +226,61 @@ class KVTier(AsyncResource):
         lets them go. Keys after the first miss are not looked up. A lookup that is
         waiting when the request finishes or the cache is reset answers 0.
 
+        Concurrent requests that share a prefix compute it once: with ``claim`` the
+        request says it will compute and :meth:`store` the keys after the hits it gets
+        (those no other request claimed); until it stores them or finishes, another
+        request's lookup whose first miss is one of them waits for them (within its
+        ``timeout``) rather than returning early to recompute them. A request that
+        holds claims of its own never waits for another's, so two cannot wait on each
+        other.
+
         Raises:
             KVTierError: the facade is closed, or was closed while this call waited.
         """
         async with self._fence.operation(self._check_open):
             request = self._request(req_id)
             deadline = None if timeout is None else time.monotonic() + timeout
-            hits = await self._find(keys, request, ReqContext(req_id), deadline)
+            while True:
+                hits = await self._find(keys, request, ReqContext(req_id), deadline)
+                if hits == len(keys) or request.ended or self._fence.raised:
+                    break
+                other = self._claims.get(keys[hits])
+                if other is None or other.owner == req_id or request.claims:
+                    break
+                if not await self._wait_for(other, deadline):
+                    break
+            if claim and not request.ended:
+                self._claim(keys[hits:], request, req_id)
         self._check_open()
         return hits
+
+    def _claim(self, keys: Sequence[OffloadKey], request: _Request, req_id: str) -> None:
+        for key in keys:
+            if key not in self._claims:
+                self._claims[key] = _Claim(req_id)
+                request.claims.add(key)
+
+    def _release_claims(self, request: _Request, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
+            if key in request.claims:
+                request.claims.discard(key)
+                claim = self._claims.pop(key, None)
+                if claim is not None:
+                    claim.done.set()
+
+    async def _wait_for(self, claim: _Claim, deadline: float | None) -> bool:
+        """Wait until a claim is released; False past the deadline or once fenced."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return False
+        wait = asyncio.ensure_future(claim.done.wait())
+        self._fence.waits.add(wait)
+        try:
+            await asyncio.wait({wait}, timeout=remaining)
+        finally:
+            self._fence.waits.discard(wait)
+            wait.cancel()
+        return claim.done.is_set() and not self._fence.raised
 
     async def _find(
         self,
@@ -341,13 +404,19 @@ class KVTier(AsyncResource):
             deadline = None if timeout is None else time.monotonic() + timeout
             batch = max(1, self.manager.host.num_chunks // 2)
             stored = 0
-            for start in range(0, len(keys), batch):
-                part = list(keys[start : start + batch])
-                part_ids = gpu_ids[start * bpc : (start + len(part)) * bpc]
-                count = await self._store_batch(part, part_ids, req, deadline)
-                if count is None:
-                    break
-                stored += count
+            try:
+                for start in range(0, len(keys), batch):
+                    part = list(keys[start : start + batch])
+                    part_ids = gpu_ids[start * bpc : (start + len(part)) * bpc]
+                    count = await self._store_batch(part, part_ids, req, deadline)
+                    if count is None:
+                        break
+                    stored += count
+            finally:
+                request = self._requests.get(req_id)
+                if request is not None and request.claims:
+                    # Stored (readable, or on their way) or not: nobody waits for them.
+                    self._release_claims(request, keys)
             return stored
 
     async def _store_batch(
@@ -393,6 +462,7 @@ class KVTier(AsyncResource):
         request = self._requests.pop(req_id, None)
         if request is not None:
             request.ended = True
+            self._release_claims(request, list(request.claims))
         # Releases every slot the request holds.
         self.manager.on_request_finished(ReqContext(req_id))
 

@@ -354,3 +354,35 @@ async def test_chunks_still_on_their_way_at_the_lookup_timeout_are_misses_for_it
         assert await kv.lookup(ks, "r") == 2
         kv.finish("r")
         kv.finish("other")
+
+
+async def test_a_request_waits_for_a_prefix_another_request_claimed_to_compute(engine_id):
+    async with KVTier(example_config(engine_id), [cache()]) as kv:
+        prefix = keys("shared", 3)
+        assert await kv.lookup(prefix, "first", claim=True) == 0  # it computes them
+        second = asyncio.ensure_future(kv.lookup(prefix, "second", timeout=30))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # waiting for the first request's chunks
+        assert await kv.store(prefix, [0, 1, 2], "first") == 3
+        assert await asyncio.wait_for(second, 10) == 3  # computed once, reused
+        kv.finish("first")
+        kv.finish("second")
+
+
+async def test_a_claim_ends_with_its_request_and_never_makes_claimers_wait(engine_id):
+    async with KVTier(example_config(engine_id), [cache()]) as kv:
+        prefix, other = keys("claimed", 2), keys("mine", 2)
+        assert await kv.lookup(prefix, "first", claim=True) == 0
+        # A request holding claims of its own does not wait for another's.
+        assert await kv.lookup(other, "second", claim=True) == 0
+        assert await asyncio.wait_for(kv.lookup(prefix, "second"), 5) == 0
+        waiting = asyncio.ensure_future(kv.lookup(prefix, "third", timeout=30))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        kv.finish("first")  # gave up without storing: the waiter recomputes
+        assert await asyncio.wait_for(waiting, 10) == 0
+        # Without a claim nobody waits at all, and a timeout bounds the wait.
+        assert await kv.lookup(prefix, "fourth", claim=True) == 0
+        assert await kv.lookup(prefix, "fifth", timeout=0.1) == 0
+        for req in ("second", "third", "fourth", "fifth"):
+            kv.finish(req)
