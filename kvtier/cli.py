@@ -8,7 +8,8 @@
 
 Reports go to stdout; progress, warnings and errors to stderr (without a terminal, a
 flushed line per phase). A bad argument or configuration is one line on stderr and exit
-code 2.
+code 2; a reader that stops early (``| head``) ends the command quietly with code 141,
+as SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import dataclasses
 import enum
 import json
 import logging
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -429,11 +432,9 @@ def _inspect(args: argparse.Namespace) -> int:
     except (FileNotFoundError, NotADirectoryError) as exc:
         _fail(str(exc))
     if not reports:
-        # The hint goes where it cannot spoil the JSON a tool reads.
-        print(
-            f"{args.root_dir}: no kvtier namespace (no */namespace.json); {hint(args.root_dir)}",
-            file=sys.stderr if args.json else sys.stdout,
-        )
+        # An error, not an empty listing: a script must be able to tell a wrong path
+        # from an empty cache (a started tier has a namespace, even with no chunk).
+        _fail(f"{args.root_dir}: no kvtier cache (no */namespace.json); {hint(args.root_dir)}")
     if args.json:
         print(json.dumps([asdict(report) for report in reports], indent=2))
     else:
@@ -593,10 +594,38 @@ def _shown(value: Any) -> str:
     return json.dumps(value)
 
 
+#: The exit code of a command whose reader went away (``kvtier plan --json | head``):
+#: what a shell reports for a process ended by SIGPIPE, as ``yes | head`` gives.
+#: Not 1, which ``kvtier inspect --verify`` and ``kvtier bench`` give for bad chunks.
+_SIGPIPE_EXIT = 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
     handlers = {"bench": _bench, "inspect": _inspect, "plan": _plan}
-    return handlers[args.command](args)
+    try:
+        args = _build_parser().parse_args(argv)
+        code = handlers[args.command](args)
+        # Inside the try: a reader that left early breaks the pipe here, not in the
+        # flush at exit, where Python could only print a traceback about it.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        return _SIGPIPE_EXIT
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the flush at exit has nowhere to fail.
+
+    What Python's documentation of SIGPIPE advises for a command piped into ``head``.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        # A stdout without a descriptor (a host's stream object) has no exit flush to fail.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 import dataclasses
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
-from kvtier_cli import kvtier
+from helpers import keys
+from kvtier_cli import KVTIER, kvtier
 
 from kvtier.cli import main
+from kvtier.format import ChunkFormat, NamespaceDescription, chunk_path, namespace_directory
 from kvtier.tiering.runner import RunnerSettings
 from kvtier.tiers.fs import FsSettings
 from kvtier.tiers.p2p import PeerSettings
@@ -245,3 +249,76 @@ def test_plan_and_bench_read_a_file_with_tiers_and_no_spec_name_alike(tmp_path):
         "did you mean 'capacity_bytes'?"
     )
     assert not (tmp_path / "kv").exists()
+
+
+# ------------------------------------------------------ kvtier inspect, and its readers
+
+
+def a_cache(root):
+    """An fs tier's root_dir holding one namespace of two sound chunks."""
+    namespace = "kvtier/v1;model=m;dtype=bf16;tokens=16;world=1;column=4096;chunk=4096"
+    chunk_format = ChunkFormat(namespace)
+    directory = root / namespace_directory("m", chunk_format)
+    directory.mkdir(parents=True)
+    (directory / "namespace.json").write_text(NamespaceDescription(namespace, 4096, "m").to_json())
+    row = bytes(range(256)) * 16
+    for key in keys("cli", 2):
+        path = directory / chunk_path(key)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(bytes(chunk_format.header(key, memoryview(row))) + row)
+    return root
+
+
+@pytest.mark.parametrize("json_flag", [(), ("--json",)], ids=["text", "json"])
+def test_inspect_of_a_directory_holding_no_cache_fails_in_one_line(tmp_path, json_flag):
+    (tmp_path / "notes.txt").write_text("not a cache")
+    result = kvtier("inspect", str(tmp_path), *json_flag)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"kvtier: error: {tmp_path}: no kvtier cache")
+
+
+def test_inspect_of_a_cache_lists_it_and_exits_0(tmp_path):
+    result = kvtier("inspect", str(a_cache(tmp_path)), "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    [namespace] = json.loads(result.stdout)
+    assert namespace["chunks"] == namespace["verified"] == 2
+
+
+def into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``kvtier ARGS`` with stdout a pipe whose reader is gone: ``| head`` at its
+    most abrupt, the reader leaving before the first line."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [KVTIER, *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=110,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["plan", "--kv-bytes-per-block", "4096", "--set", "cpu_bytes_to_use=65536", "--json"],
+        ["plan", "--kv-bytes-per-block", "4096", "--set", "cpu_bytes_to_use=65536"],
+        ["inspect", "{cache}"],
+        ["inspect", "{cache}", "--verify", "--json"],
+    ],
+    ids=["plan-json", "plan", "inspect", "inspect-json"],
+)
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path, command):
+    cache = a_cache(tmp_path / "cache")
+    result = into_a_closed_pipe(*(arg.format(cache=cache) for arg in command))
+    # No traceback, nothing at all on stderr; the exit code a shell gives a process
+    # ended by SIGPIPE (as `yes | head` does), not 1, which means bad chunks.
+    assert result.stderr == ""
+    assert result.returncode == 128 + signal.SIGPIPE

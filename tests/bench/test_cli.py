@@ -372,11 +372,13 @@ def test_inspect_of_a_bench_root_or_a_namespace_directory_says_where_to_look(tmp
     ran = kvtier("bench", *SMALL_BENCH, "--workload", "no-reuse", "--quiet", "--root", str(root))
     assert ran.returncode == 0, ran.stderr
     at_root = kvtier("inspect", str(root))
-    assert at_root.returncode == 0, at_root.stderr
-    assert f"{root}: no kvtier namespace" in at_root.stdout
-    assert f"kvtier inspect {root / 'fs'}" in at_root.stdout
+    # No cache right there: an error a script sees, with the way to the cache in it.
+    assert at_root.returncode == 2 and at_root.stdout == ""
+    assert at_root.stderr.startswith(f"kvtier: error: {root}: no kvtier cache")
+    assert f"kvtier inspect {root / 'fs'}" in at_root.stderr
     [namespace_dir] = [p for p in (root / "fs").iterdir() if p.is_dir()]
     inside = kvtier("inspect", str(namespace_dir), "--json")
-    assert json.loads(inside.stdout) == []  # the JSON stays clean; the hint is on stderr
+    assert inside.returncode == 2 and inside.stdout == ""
     assert "is a namespace directory itself" in inside.stderr
     assert f"kvtier inspect {root / 'fs'}" in inside.stderr
+    assert kvtier("inspect", str(root / "fs")).returncode == 0
