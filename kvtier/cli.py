@@ -260,10 +260,12 @@ def _bench(args: argparse.Namespace) -> int:
             _fail("--plot needs matplotlib: pip install 'kvtier[plot]'")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         _fail(f"--metrics-port must be a TCP port, got {args.metrics_port}")
+    # Every place the run writes is checked now, rather than after a run of minutes.
     for option, path in (("--json", args.json_path), ("--plot", args.plot)):
-        # Checked now rather than after a run of minutes.
-        if path is not None and not path.parent.is_dir():
-            _fail(f"{option} {path}: {path.parent} does not exist")
+        if path is not None:
+            _check_output_file(option, path)
+    if args.plot is not None:
+        _check_plot_format(args.plot)
     if args.reuse_root and args.root is None:
         _fail("--reuse-root needs --root: the default working directory is always new")
     if args.root is not None:
@@ -285,13 +287,20 @@ def _bench(args: argparse.Namespace) -> int:
         reuse_root=args.reuse_root,
         seed=args.seed,
     )
-    if args.config is not None:
-        # Read as kvtier plan reads it, before anything starts: the tiers --tiers would
-        # start are not known yet, so a file without secondary_tiers is checked with none.
-        try:
-            _engine_spec(bench_config(settings, []))
-        except KVTierError as exc:
-            _fail(str(exc))
+    # A --config file is read as kvtier plan reads it, before anything starts: the tiers
+    # --tiers would start are not known yet, so a file without secondary_tiers is
+    # checked with none.
+    try:
+        spec = _engine_spec(bench_config(settings, []))
+    except KVTierError as exc:
+        _fail(str(exc))
+    # The p2p tier of --tiers spawns a peer engine with a primary tier of its own.
+    spawns_peer = "p2p" in tiers and "secondary_tiers" not in extra
+    if "cpu_bytes_to_use" in extra:
+        sized_by = ("cpu_bytes_to_use", f"cpu_bytes_to_use in {args.config}")
+    else:
+        sized_by = ("--primary-mib", f"--primary-mib {args.primary_mib}")
+    _check_shared_memory(spec.settings.geometry.region_bytes, 2 if spawns_peer else 1, sized_by)
     in_flight = settings.concurrency * settings.max_prompt_chunks * settings.chunk_bytes
     if settings.primary_bytes < in_flight:
         print(
@@ -311,10 +320,13 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _fail(str(exc))
     result = reports[0] if len(reports) == 1 else combine(reports)
-    if args.json_path is not None:
-        args.json_path.write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot is not None:
-        plot(reports, args.plot)
+    try:
+        if args.json_path is not None:
+            args.json_path.write_text(json.dumps(result, indent=2) + "\n")
+        if args.plot is not None:
+            plot(reports, args.plot)
+    except OSError as exc:  # checked at the start, but a disk may fill up meanwhile
+        _fail(f"cannot write {exc.filename}: {exc.strerror}")
     # A combined result names each line's workload already.
     for kind in ("warning", "error"):
         for line in result[f"{kind}s"]:
@@ -323,6 +335,68 @@ def _bench(args: argparse.Namespace) -> int:
     if wrong:
         print(f"kvtier: error: {wrong:,} chunks were served with wrong bytes", file=sys.stderr)
     return 1 if wrong or result["errors"] else 0
+
+
+def _check_output_file(option: str, path: Path) -> None:
+    """Refuse now a file the run could not write when it ends, in one line."""
+    from kvtier.bench.run import cannot_create_in
+
+    parent = path.parent
+    if path.is_dir():
+        _fail(f"{option} {path}: is a directory")
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        _fail(f"{option} {path}: {parent} {what}")
+    if path.exists():
+        try:
+            # Opened without truncating or creating: the file stays as it is until the end.
+            with path.open("r+b"):
+                pass
+        except OSError as exc:
+            _fail(f"{option} {path}: cannot write it: {exc.strerror}")
+        return
+    problem = cannot_create_in(parent)
+    if problem is not None:
+        _fail(f"{option} {path}: cannot create it in {parent}: {problem}")
+
+
+def _check_plot_format(path: Path) -> None:
+    """Refuse now a --plot name whose suffix matplotlib cannot write."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = path.suffix.lstrip(".").lower()
+    if suffix and suffix not in formats:
+        _fail(
+            f"--plot {path}: matplotlib cannot write .{suffix} files; name a "
+            f"{', '.join(f'.{name}' for name in sorted(formats))} file"
+        )
+
+
+def _check_shared_memory(region_bytes: int, engines: int, sized_by: tuple[str, str]) -> None:
+    """Refuse now the primary tiers of ``engines`` that ``/dev/shm`` cannot hold, naming
+    what sized them (``(option, option with its value)``): the region's own check, at
+    start, can only name ``cpu_bytes_to_use``."""
+    import mmap
+
+    from kvtier.region import DEFAULT_SHM_DIR
+
+    try:
+        stat = os.statvfs(DEFAULT_SHM_DIR)
+    except OSError:
+        return  # nothing to measure here: the region's own check speaks at start
+    free = stat.f_bavail * stat.f_frsize
+    # A region is its chunks and one header page.
+    needed = engines * (region_bytes + mmap.PAGESIZE)
+    if needed <= free:
+        return
+    option, given = sized_by
+    peer = ", the spawned p2p peer's included" if engines > 1 else ""
+    _fail(
+        f"{given}: {DEFAULT_SHM_DIR} has {free / MIB:,.0f} MiB free, the primary tier "
+        f"needs {needed / MIB:,.0f} MiB{peer}: lower {option}, or give {DEFAULT_SHM_DIR} "
+        "more room (docker run --shm-size, a memory-backed emptyDir)"
+    )
 
 
 async def _run_workloads(
