@@ -242,7 +242,7 @@ def _bench(args: argparse.Namespace) -> int:
     from kvtier.bench import BENCH_TIERS, WORKLOADS, BenchSettings
     from kvtier.bench.report import combine, plot
     from kvtier.bench.run import check_root
-    from kvtier.bench.settings import bench_config
+    from kvtier.bench.settings import TOKENS_PER_BLOCK, bench_config
 
     known = BENCH_TIERS.names()
     tiers = tuple(name.strip() for name in args.tiers.split(",") if name.strip())
@@ -274,6 +274,10 @@ def _bench(args: argparse.Namespace) -> int:
         except ValueError as exc:
             _fail(str(exc))
     extra = _read_json_object(args.config) if args.config is not None else {}
+    try:
+        extra = _as_kvtier_reads(extra, TOKENS_PER_BLOCK)
+    except KVTierError as exc:
+        _fail(str(exc))
     settings = BenchSettings(
         tiers=tiers,
         extra_config=extra,
@@ -531,23 +535,56 @@ def _inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- plan
 
 
-def _engine_spec(config: OffloadingConfig) -> OffloadingSpec:
-    """The spec the engine builds for ``config``: ``extra_config`` parsed and checked
-    the way the engine reads it, connecting to nothing and opening nothing.
+def _as_kvtier_reads(extra: Mapping[str, Any], tokens_per_block: int) -> dict[str, Any]:
+    """A file's ``extra_config`` as kvtier's spec will receive it.
 
-    ``kvtier plan`` and ``kvtier bench --config`` both read a file through here, its
-    spec named by :func:`~kvtier.specs.factory.with_spec_name`, so they accept and
-    refuse the same files with the same messages.
+    A configuration written for vLLM that loads kvtier's adapter (``spec_module_path``
+    ``kvtier.integrations.vllm``) is read as the adapter reads it, vLLM's own keys
+    translated, without importing vLLM: what the adapter hands kvtier is then checked
+    like any other file. ``kvtier plan`` and ``kvtier bench --config`` both read a file
+    through here and :func:`_engine_spec`, so they accept and refuse the same files
+    with the same messages.
 
     Raises:
-        ConfigError: as the engine would raise it.
+        ConfigError: a vLLM key the adapter refuses.
     """
+    from kvtier.integrations.vllm_config import adapter_extra_config, names_adapter
+
+    if names_adapter(extra):
+        return adapter_extra_config(extra, tokens_per_block)
+    return dict(extra)
+
+
+def _engine_spec(config: OffloadingConfig) -> OffloadingSpec:
+    """The spec the engine builds for ``config``: ``extra_config`` parsed and checked
+    the way the engine reads it, connecting to nothing and opening nothing; a bare
+    file's spec named by :func:`~kvtier.specs.factory.with_spec_name`.
+
+    Raises:
+        ConfigError: as the engine would raise it; for one of vLLM's keys given to a
+            kvtier spec, saying where that key belongs.
+    """
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm_config import vllm_key_hint
     from kvtier.specs.factory import OffloadingSpecFactory
 
-    return OffloadingSpecFactory.create_spec(config)
+    try:
+        return OffloadingSpecFactory.create_spec(config)
+    except ConfigError as exc:
+        spec_name = str(config.extra_config.get("spec_name", "CPUOffloadingSpec"))
+        hint = vllm_key_hint(exc.path, spec_name) if exc.problem.startswith("unknown") else None
+        if hint is None:
+            raise
+        raise ConfigError(exc.path, f"unknown setting: {hint}") from None
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from kvtier.integrations.vllm_config import (
+        ADAPTER_MODULE,
+        ADAPTER_SPEC,
+        VLLM_KEYS,
+        names_adapter,
+    )
     from kvtier.specs.factory import with_spec_name
 
     extra = _read_json_object(args.config) if args.config is not None else {}
@@ -565,15 +602,23 @@ def _plan(args: argparse.Namespace) -> int:
             kv_bytes_per_block=args.kv_bytes_per_block,
             tokens_per_block=args.tokens_per_block,
             world_size=args.world_size,
-            extra_config=with_spec_name(extra),
+            extra_config=with_spec_name(_as_kvtier_reads(extra, args.tokens_per_block)),
         )
         spec = _engine_spec(config)
     except KVTierError as exc:
         _fail(str(exc))
     settings = spec.settings
     geometry = settings.geometry
-    plan = {
-        "spec": type(spec).__name__,
+    plan: dict[str, Any] = {"spec": type(spec).__name__}
+    if names_adapter(extra):
+        # What vLLM loads, and the keys it reads itself (unchecked here: vLLM's own).
+        plan["vllm_spec"] = f"{ADAPTER_MODULE}.{ADAPTER_SPEC}"
+        plan["vllm_keys"] = {
+            key: extra[key]
+            for key in sorted(VLLM_KEYS - {"spec_name", "spec_module_path"})
+            if key in extra
+        }
+    plan |= {
         "cpu_bytes_to_use": settings.cpu_bytes_to_use,
         "block_size": settings.block_size,
         "eviction_policy": settings.eviction_policy,
