@@ -87,7 +87,7 @@ async def run_bench(
             report["errors"], report["warnings"] = tier_problems(report["tiers"], problems.reasons)
             traffic = {entry["name"]: _traffic(entry) for entry in report["tiers"]}
             say("measuring the physical limits")
-            report["physical"], report["ratios"] = await measure_limits(
+            report["physical"], report["ratios"], report["ratio_notes"] = await measure_limits(
                 {label: (tier, traffic[label]) for label, tier in built.items()},
                 tiers,
                 chunk_bytes=settings.chunk_bytes,
