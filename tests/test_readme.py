@@ -152,3 +152,23 @@ def test_every_key_of_the_vllm_example_is_in_the_configuration_reference():
     ]
     documented = {name for cell in rows for name in re.findall(r"`(\w+)`", cell)}
     assert used - documented == set()
+
+
+def test_the_server_example_sends_a_prompt_longer_than_a_chunk_twice_before_its_grep():
+    """What `grep chunk_hits` shows after the server's example requests: hits, since the
+    second request repeats a prompt of whole chunks (the model test sends it, too)."""
+    root = README.parent
+    lines = readme_section("Embedding kvtier in an async server").splitlines()
+    requests = [i for i, line in enumerate(lines) if line.startswith("curl") and "-d @" in line]
+    grep = next(i for i, line in enumerate(lines) if "| grep chunk_hits" in line)
+    assert len(requests) == 2 and lines[requests[0]] == lines[requests[1]]
+    assert requests[1] < grep
+    request = lines[requests[0]]
+    body = json.loads((root / request.split("-d @")[1].split()[0]).read_text())
+    # SmolLM2's tokenizer splits at spaces, so every word is a token or more: the prompt
+    # holds at least two whole chunks of the server's, whatever the chat template adds.
+    words = sum(len(message["content"].split()) for message in body["messages"])
+    chunk_tokens = int(
+        re.search(r"^CHUNK_TOKENS = (\d+)", (root / "examples/serve.py").read_text(), re.M).group(1)
+    )
+    assert words >= 2 * chunk_tokens
