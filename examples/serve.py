@@ -21,7 +21,7 @@ restored), ``GET /v1/models``, ``GET /health`` (200 once the model is loaded) an
 ``GET /metrics`` (kvtier's Prometheus registry).
 
 Why aiohttp rather than FastAPI + uvicorn: kvtier already depends on aiohttp (it is
-aiobotocore's transport), so the server adds no package to ``kvtier[hf]``; its
+aiobotocore's transport), so the server adds no package to the ``hf`` extra; its
 ``cleanup_ctx`` gives the lifespan (the model loaded and the ``KVTier`` opened before
 the first request, closed after the last) in a few lines, and it runs on the plain
 asyncio loop that kvtier's tiers share. FastAPI's request validation would be the

@@ -257,7 +257,7 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            _fail("--plot needs matplotlib: pip install 'kvtier[plot]'")
+            _fail("--plot needs matplotlib: pip install '.[plot]' in kvtier's checkout")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         _fail(f"--metrics-port must be a TCP port, got {args.metrics_port}")
     # Every place the run writes is checked now, rather than after a run of minutes.

@@ -172,3 +172,20 @@ def test_the_server_example_sends_a_prompt_longer_than_a_chunk_twice_before_its_
         re.search(r"^CHUNK_TOKENS = (\d+)", (root / "examples/serve.py").read_text(), re.M).group(1)
     )
     assert words >= 2 * chunk_tokens
+
+
+def test_the_first_section_says_what_its_two_blocks_do():
+    first = readme_section("Set up and run the main job; run the tests")
+    blocks = re.findall(r"```bash\n(.*?)```", first, re.DOTALL)
+    assert "kvtier bench" in blocks[0] and "pip install ." in blocks[0]
+    assert "nox -s tests" in blocks[1]
+
+
+def test_extras_are_installed_from_the_checkout_as_the_readme_says():
+    text = README.read_text()
+    assert "'kvtier[" not in text  # kvtier installs from its checkout, not by name
+    extras = re.findall(r"pip install [^`\n]*'\.\[(\w+)\]'", text)
+    assert {"bench", "plot", "hf"} <= set(extras)
+    pyproject = (README.parent / "pyproject.toml").read_text()
+    for extra in set(extras):
+        assert re.search(rf"^{extra} = \[", pyproject, re.M), extra

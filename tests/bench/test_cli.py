@@ -133,7 +133,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(capsys, monkeypatch):
     with pytest.raises(SystemExit) as info:
         main(["bench", *SMALL, "--plot", "out.png"])
     assert info.value.code == 2
-    assert "pip install 'kvtier[plot]'" in capsys.readouterr().err
+    assert "pip install '.[plot]' in kvtier's checkout" in capsys.readouterr().err
 
 
 def test_plot_draws_hit_rate_and_throughput_over_time(tmp_path):
