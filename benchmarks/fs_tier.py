@@ -129,13 +129,12 @@ async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
         latencies += job_latencies
         await manager.areset_cache()
         await asyncio.to_thread(unlink_all, files)
-        depth = max(tier.settings.read_depth, tier.settings.write_depth)
         raw = await asyncio.to_thread(
             measure_disk,
             root / f"raw{round_index}",
             count,
             chunk,
-            depth=depth,
+            depths=(tier.settings.read_depth, tier.settings.write_depth),
             direct=tier.o_direct,
         )
         measured = {

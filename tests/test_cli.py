@@ -1,13 +1,18 @@
 import dataclasses
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from kvtier_cli import kvtier
+from helpers import keys
+from kvtier_cli import KVTIER, kvtier
 
 from kvtier.cli import main
+from kvtier.format import ChunkFormat, NamespaceDescription, chunk_path, namespace_directory
 from kvtier.tiering.runner import RunnerSettings
 from kvtier.tiers.fs import FsSettings
 from kvtier.tiers.p2p import PeerSettings
@@ -245,3 +250,178 @@ def test_plan_and_bench_read_a_file_with_tiers_and_no_spec_name_alike(tmp_path):
         "did you mean 'capacity_bytes'?"
     )
     assert not (tmp_path / "kv").exists()
+
+
+# ------------------------------------------------------ kvtier inspect, and its readers
+
+
+def a_cache(root):
+    """An fs tier's root_dir holding one namespace of two sound chunks."""
+    namespace = "kvtier/v1;model=m;dtype=bf16;tokens=16;world=1;column=4096;chunk=4096"
+    chunk_format = ChunkFormat(namespace)
+    directory = root / namespace_directory("m", chunk_format)
+    directory.mkdir(parents=True)
+    (directory / "namespace.json").write_text(NamespaceDescription(namespace, 4096, "m").to_json())
+    row = bytes(range(256)) * 16
+    for key in keys("cli", 2):
+        path = directory / chunk_path(key)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(bytes(chunk_format.header(key, memoryview(row))) + row)
+    return root
+
+
+@pytest.mark.parametrize("json_flag", [(), ("--json",)], ids=["text", "json"])
+def test_inspect_of_a_directory_holding_no_cache_fails_in_one_line(tmp_path, json_flag):
+    (tmp_path / "notes.txt").write_text("not a cache")
+    result = kvtier("inspect", str(tmp_path), *json_flag)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"kvtier: error: {tmp_path}: no kvtier cache")
+
+
+def test_inspect_of_a_cache_lists_it_and_exits_0(tmp_path):
+    result = kvtier("inspect", str(a_cache(tmp_path)), "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    [namespace] = json.loads(result.stdout)
+    assert namespace["chunks"] == namespace["verified"] == 2
+
+
+def into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``kvtier ARGS`` with stdout a pipe whose reader is gone: ``| head`` at its
+    most abrupt, the reader leaving before the first line."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [KVTIER, *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=110,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["plan", "--kv-bytes-per-block", "4096", "--set", "cpu_bytes_to_use=65536", "--json"],
+        ["plan", "--kv-bytes-per-block", "4096", "--set", "cpu_bytes_to_use=65536"],
+        ["inspect", "{cache}"],
+        ["inspect", "{cache}", "--verify", "--json"],
+    ],
+    ids=["plan-json", "plan", "inspect", "inspect-json"],
+)
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path, command):
+    cache = a_cache(tmp_path / "cache")
+    result = into_a_closed_pipe(*(arg.format(cache=cache) for arg in command))
+    # No traceback, nothing at all on stderr; the exit code a shell gives a process
+    # ended by SIGPIPE (as `yes | head` does), not 1, which means bad chunks.
+    assert result.stderr == ""
+    assert result.returncode == 128 + signal.SIGPIPE
+
+
+# ---------------------------------------- a configuration written for vLLM, checked by plan
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_vllm_extra_config() -> dict:
+    """The kv_connector_extra_config of the README's `vllm serve` example, as written."""
+    text = README.read_text()
+    transfer = re.search(r"--kv-transfer-config '(\{.*?\})'", text, re.DOTALL)
+    assert transfer, "the README's vllm serve example is gone"
+    extra: dict = json.loads(transfer.group(1))["kv_connector_extra_config"]
+    return extra
+
+
+def plan_of(tmp_path, extra: dict, *args: str):
+    config = tmp_path / "vllm-extra.json"
+    config.write_text(json.dumps(extra))
+    return kvtier("plan", "--kv-bytes-per-block", "131072", "--config", str(config), *args)
+
+
+def test_plan_checks_the_readme_vllm_configuration_as_the_adapter_reads_it(tmp_path):
+    extra = readme_vllm_extra_config()
+    assert extra["spec_module_path"] == "kvtier.integrations.vllm"
+    result = plan_of(tmp_path, extra, "--json")
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["vllm_spec"] == "kvtier.integrations.vllm.KVTierOffloadingSpec"
+    assert shown["spec"] == "TieringOffloadingSpec"
+    # vLLM's blocks_per_chunk is the chunk; the fs tier's thread counts are its depths.
+    assert shown["blocks_per_chunk"] == extra["blocks_per_chunk"]
+    assert shown["block_size"] == 16 * extra["blocks_per_chunk"]
+    assert shown["vllm_keys"] == {"blocks_per_chunk": extra["blocks_per_chunk"]}
+    [fs] = shown["tiers"]
+    [written] = extra["secondary_tiers"]
+    assert fs["settings"]["read_depth"] == written["n_read_threads"]
+    assert fs["settings"]["write_depth"] == written["n_write_threads"]
+    assert fs["settings"]["root_dir"] == written["root_dir"]
+
+    text = plan_of(tmp_path, extra)
+    assert text.returncode == 0, text.stderr
+    assert re.search(
+        r"^vllm_spec +kvtier\.integrations\.vllm\.KVTierOffloadingSpec$", text.stdout, re.M
+    )
+
+
+def test_plan_never_imports_vllm_to_check_a_vllm_configuration(tmp_path):
+    config = tmp_path / "vllm-extra.json"
+    config.write_text(json.dumps(readme_vllm_extra_config()))
+    argv = ["plan", "--kv-bytes-per-block", "131072", "--config", str(config)]
+    # Whether vLLM is installed or not, plan reads the file without it.
+    code = (
+        "import sys\nfrom kvtier.cli import main\n"
+        f"assert main({argv!r}) == 0\n"
+        "assert 'vllm' not in sys.modules, 'plan imported vLLM'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        pytest.param(
+            {"spec_name": "TieringOffloadingSpec", "spec_module_path": None},
+            "secondary_tiers[0].n_read_threads: unknown setting: vLLM's name for the fs tier's "
+            "read_depth, which TieringOffloadingSpec does not read: for vLLM, name kvtier's "
+            "adapter (spec_name KVTierOffloadingSpec, spec_module_path kvtier.integrations.vllm)",
+            id="vllm-keys-under-kvtier-s-own-spec",
+        ),
+        pytest.param(
+            {"spec_name": "TieringOffloadingSpec", "spec_module_path": None, "secondary_tiers": []},
+            "blocks_per_chunk: unknown setting: a key of vLLM's kv_connector_extra_config, which "
+            "TieringOffloadingSpec does not read",
+            id="blocks-per-chunk-under-kvtier-s-own-spec",
+        ),
+        pytest.param(
+            {"block_size": 64},
+            "blocks_per_chunk: 2 blocks of 16 tokens make 32-token chunks, but block_size says 64",
+            id="two-chunk-sizes",
+        ),
+        pytest.param(
+            {"canonical_layout": True},
+            "canonical_layout: is not supported by KVTierOffloadingSpec",
+            id="canonical-layout",
+        ),
+    ],
+)
+def test_plan_and_bench_refuse_a_vllm_configuration_saying_where_a_key_belongs(
+    tmp_path, change, message
+):
+    extra = {**readme_vllm_extra_config(), **change}
+    extra = {key: value for key, value in extra.items() if value is not None}
+    config = tmp_path / "vllm-extra.json"
+    config.write_text(json.dumps(extra))
+    planned = kvtier("plan", "--kv-bytes-per-block", "131072", "--config", str(config))
+    benched = kvtier("bench", "--config", str(config))
+    for answer in (planned, benched):
+        assert answer.returncode == 2 and answer.stdout == ""
+        assert answer.stderr.count("\n") == 1
+    assert planned.stderr.startswith(f"kvtier: error: {message}")
+    assert benched.stderr == planned.stderr

@@ -2,9 +2,10 @@
 
 Every fenced block opened with ```python in README.md runs, in the order of the file,
 in one namespace: a block may use what an earlier one defined (the synchronous
-scheduler's example reuses the async host's ``config``). A block that cannot run here
-(it needs vLLM, a GPU, a real bucket) opts out with an HTML comment on the line just
-before its fence, saying why::
+scheduler's example reuses the async host's ``config``). Each is compiled as a file
+pasted from it would be: an ``await`` outside a coroutine is a SyntaxError here too. A
+block that cannot run here (it needs vLLM, a GPU, a real bucket) opts out with an HTML
+comment on the line just before its fence, saying why::
 
     <!-- not run: needs vLLM -->
     ```python
@@ -18,9 +19,8 @@ example fails here rather than running with its production sizes.
 
 from __future__ import annotations
 
-import ast
-import asyncio
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -74,10 +74,7 @@ def given(root: Path) -> dict[str, Any]:
 
 
 def run_block(code: str, name: str, namespace: dict[str, Any]) -> None:
-    compiled = compile(code, name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-    result = eval(compiled, namespace)  # a block with top-level await gives a coroutine
-    if inspect.iscoroutine(result):
-        asyncio.run(result)
+    exec(compile(code, name, "exec"), namespace)
 
 
 def test_the_readme_has_examples_to_run():
@@ -97,13 +94,34 @@ def test_the_readme_examples_run_as_written(tmp_path, engine_id):
         for original, replacement in SUBSTITUTIONS.items():
             code = code.replace(original, replacement.format(engine_id=engine_id, root=root))
         run_block(code, f"README.md:{line}", namespace)
-    # The async host's chunks and the scheduler's one all cascaded to the fs tier.
-    assert len(namespace["keys"]) == 3
-    assert len(list(root.rglob("*.kvt"))) == len(namespace["keys"]) + 1
+    # The async host's chunks and the scheduler's one all cascaded to the fs tier; the
+    # keys section's keys, salted as it advises, are the ones the async host stored.
+    keys = namespace["keys"]
+    assert len(keys) == 3 and namespace["hits"] == 0
+    assert len(list(root.rglob("*.kvt"))) == len(keys) + 1
     # The chunk format section's reader finds each of them sound, the scheduler's among them.
     found = dict(namespace["read_chunks"](root))
-    assert len(found) == len(namespace["keys"]) + 1
-    assert namespace["key"] in found
+    assert set(found) == {*keys, namespace["key"]}
+
+
+def test_the_readme_salts_keys_one_way_the_way_prefix_cache_does():
+    from kvtier.integrations import transformers
+
+    text = README.read_text()
+    advice = 'f"{model_name}\\0{kv_dtype}"'
+    assert advice in inspect.getsource(transformers.PrefixCache).replace("kv.config.", "")
+    # The keys section and the server's checklist give the same salt, in those words.
+    assert text.count(f"`{advice}`") == 2
+    # Every example that computes keys salts them so.
+    calls = [line for _, block in python_blocks() for line in block.splitlines()]
+    salts = [line for line in calls if line.lstrip().startswith("salt =")]
+    assert salts and all("\\0{" in line and "kv_dtype}" in line for line in salts)
+    assert all("salt=salt" in line for line in calls if "prefix_keys(prompt" in line)
+
+
+def test_a_block_is_compiled_as_a_file_pasted_from_it_would_be():
+    with pytest.raises(SyntaxError):
+        run_block("await something()\n", "README.md:1", {})
 
 
 @pytest.mark.slow
@@ -132,3 +150,61 @@ def test_an_opted_out_block_is_not_run(tmp_path, monkeypatch):
     monkeypatch.setitem(globals(), "README", readme)
     [(line, code)] = python_blocks()
     assert (line, code) == (9, "ran = True\n")
+
+
+def readme_section(heading: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def test_every_key_of_the_vllm_example_is_in_the_configuration_reference():
+    transfer = re.search(r"--kv-transfer-config '(\{.*?\})'", README.read_text(), re.DOTALL)
+    assert transfer, "the README's vllm serve example is gone"
+    extra = json.loads(transfer.group(1))["kv_connector_extra_config"]
+    used = set(extra) | {key for tier in extra["secondary_tiers"] for key in tier}
+    rows = [
+        line.split("|")[1]
+        for line in readme_section("Configuration reference").splitlines()
+        if line.startswith("| `")
+    ]
+    documented = {name for cell in rows for name in re.findall(r"`(\w+)`", cell)}
+    assert used - documented == set()
+
+
+def test_the_server_example_sends_a_prompt_longer_than_a_chunk_twice_before_its_grep():
+    """What `grep chunk_hits` shows after the server's example requests: hits, since the
+    second request repeats a prompt of whole chunks (the model test sends it, too)."""
+    root = README.parent
+    lines = readme_section("Embedding kvtier in an async server").splitlines()
+    requests = [i for i, line in enumerate(lines) if line.startswith("curl") and "-d @" in line]
+    grep = next(i for i, line in enumerate(lines) if "| grep chunk_hits" in line)
+    assert len(requests) == 2 and lines[requests[0]] == lines[requests[1]]
+    assert requests[1] < grep
+    request = lines[requests[0]]
+    body = json.loads((root / request.split("-d @")[1].split()[0]).read_text())
+    # SmolLM2's tokenizer splits at spaces, so every word is a token or more: the prompt
+    # holds at least two whole chunks of the server's, whatever the chat template adds.
+    words = sum(len(message["content"].split()) for message in body["messages"])
+    chunk_tokens = int(
+        re.search(r"^CHUNK_TOKENS = (\d+)", (root / "examples/serve.py").read_text(), re.M).group(1)
+    )
+    assert words >= 2 * chunk_tokens
+
+
+def test_the_first_section_says_what_its_two_blocks_do():
+    first = readme_section("Set up and run the main job; run the tests")
+    blocks = re.findall(r"```bash\n(.*?)```", first, re.DOTALL)
+    assert "kvtier bench" in blocks[0] and "pip install ." in blocks[0]
+    assert "nox -s tests" in blocks[1]
+
+
+def test_extras_are_installed_from_the_checkout_as_the_readme_says():
+    text = README.read_text()
+    assert "'kvtier[" not in text  # kvtier installs from its checkout, not by name
+    extras = re.findall(r"pip\s+install\s+[^`]*?'\.\[(\w+)\]'", text)
+    assert {"bench", "plot", "hf"} <= set(extras)
+    pyproject = (README.parent / "pyproject.toml").read_text()
+    for extra in set(extras):
+        assert re.search(rf"^{extra} = \[", pyproject, re.M), extra

@@ -2,7 +2,8 @@
 
 Raw disk: files of one chunk each written with ``os.pwritev`` and read back cold with
 ``os.preadv`` (both O_DIRECT when asked, as the fs tier does), synced and evicted from
-the page cache in between, by one thread and by several; the better figure is the limit.
+the page cache in between, by one thread and by as many as the tier's depths; the best
+figure is the limit.
 Memory: a plain copy between two buffers larger than the caches. Network: chunk-sized
 objects PUT to and read back from an S3 server by a plain client, and chunks sent over
 loopback TCP between two threads.
@@ -18,6 +19,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,12 +106,19 @@ def _one_pass(directory: Path, count: int, chunk: int, threads: int, direct: boo
 
 
 def measure_disk(
-    directory: Path, count: int, chunk: int, *, depth: int = 4, direct: bool = False
+    directory: Path,
+    count: int,
+    chunk: int,
+    *,
+    depths: Iterable[int] = (4,),
+    direct: bool = False,
 ) -> DiskLimits:
-    """Best raw write and cold read bandwidth of ``count`` one-chunk files in ``directory``."""
+    """Best raw write and cold read bandwidth of ``count`` one-chunk files in ``directory``,
+    by one thread and by each of ``depths`` threads: the best the disk does at the
+    depths a tier uses, so that the tier is held against no less."""
     passes = [
         _one_pass(directory / f"raw-{threads}", count, chunk, threads, direct)
-        for threads in sorted({1, depth})
+        for threads in sorted({1, *depths})
     ]
     return DiskLimits(max(p.write_gbps for p in passes), max(p.read_gbps for p in passes))
 

@@ -7,7 +7,9 @@ An entry says, for one tier type, everything the bench does differently for it:
   stopped after it;
 - ``measure``: the physical limit the tier is held against, measured in the same run;
 - ``limits``: the rows that measurement gives: a figure in the report's ``physical``,
-  and the tier's ``ratios`` to it.
+  and the tier's ``ratios`` to it;
+- ``above_limit``: why the tier may still move data faster than its limit (the page
+  cache, for a tier whose I/O goes through it), printed beside a ratio above 1.
 
 For example, a tier kept in RAM, held against a plain memory copy::
 
@@ -40,6 +42,7 @@ from kvtier.tiers import SecondaryTier
 
 __all__ = [
     "MEMCPY_KEY",
+    "AboveLimit",
     "BenchTier",
     "BenchTierRegistry",
     "Direction",
@@ -125,6 +128,9 @@ class LimitContext:
 StartTier = Callable[[BenchSettings, Path], AbstractAsyncContextManager[LocalTier]]
 #: Measures the limits of a built tier: GB/s by direction, one per :class:`Limit`.
 MeasureLimits = Callable[[SecondaryTier, LimitContext], Awaitable[Mapping[Direction, float]]]
+#: Why a built tier may move data faster than its limit that way (a route the raw I/O
+#: does not take), or None where there is no such route.
+AboveLimit = Callable[[SecondaryTier, Direction], str | None]
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,7 @@ class BenchTier:
     start: StartTier
     measure: MeasureLimits | None = None
     limits: tuple[Limit, ...] = ()
+    above_limit: AboveLimit | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "," in self.name or self.name != self.name.strip():

@@ -233,13 +233,24 @@ def print_report(
     console.print(latency)
     physical = report.get("physical", {})
     ratios = report.get("ratios", {})
+    notes = report.get("ratio_notes", {})
     limits = _table("physical limits measured in this run", ["GB/s", "kvtier / limit"])
     if MEMCPY_KEY in physical:
         limits.add_row("memcpy", _num(physical[MEMCPY_KEY]), "")
-    for limit in bench_tiers.limits():
-        if limit.key in physical:
-            limits.add_row(limit.label, _num(physical[limit.key]), _num(ratios.get(limit.ratio)))
+    shown = [limit for limit in bench_tiers.limits() if limit.key in physical]
+    for limit in shown:
+        ratio = _num(ratios.get(limit.ratio))
+        # A ratio above 1 is marked, its reason printed right under the table.
+        marked = f"{ratio} *" if limit.ratio in notes else ratio
+        limits.add_row(limit.label, _num(physical[limit.key]), marked)
     console.print(limits)
+    for limit in shown:
+        if limit.ratio in notes:
+            console.print(
+                f"* {limit.label}: kvtier / limit {ratios[limit.ratio]:.2f}, above 1 because "
+                f"{notes[limit.ratio]}",
+                highlight=False,
+            )
     console.print(
         "kvtier / limit: the tier's GB/s while it moved data, over the raw figure. A "
         "serving workload moves data only when its requests need it, so a ratio well "
@@ -343,6 +354,7 @@ def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
         },
         "physical": bandwidth.get("physical", {}),
         "ratios": bandwidth.get("ratios", {}),
+        "ratio_notes": bandwidth.get("ratio_notes", {}),
         "errors": [f"{r['workload']}: {line}" for r in reports for line in r.get("errors", [])],
         "warnings": [f"{r['workload']}: {line}" for r in reports for line in r.get("warnings", [])],
         "runs": list(reports),

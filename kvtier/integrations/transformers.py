@@ -1,4 +1,4 @@
-"""Prefix reuse for Hugging Face ``transformers`` models (extra ``kvtier[hf]``).
+"""Prefix reuse for Hugging Face ``transformers`` models (the ``hf`` extra).
 
 A :class:`PrefixCache` sits between a :class:`~kvtier.KVTier` and a causal language
 model that keeps its attention state in a ``transformers`` ``DynamicCache``. For a

@@ -13,7 +13,8 @@ vLLM's connector then drives kvtier's manager from its scheduler and kvtier's wo
 from each GPU worker. This module and :mod:`kvtier.integrations.vllm_stats` (metric
 definitions and stats) are the only ones in kvtier that import vLLM: they translate at
 the boundary (vLLM's lookup results, load/store specs, events, metrics) and keep kvtier
-itself free of vLLM.
+itself free of vLLM. The ``extra_config`` is read by :mod:`kvtier.integrations.vllm_config`,
+which ``kvtier plan`` uses too, with or without vLLM installed.
 
 What vLLM does differently from a kvtier host, and how the adapter answers it:
 
@@ -43,7 +44,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvtier
 from kvtier.config import OffloadingConfig
-from kvtier.errors import ConfigError
+from kvtier.integrations.vllm_config import translate_extra_config
 from kvtier.integrations.vllm_stats import StatsRecorder, vllm_metric_definitions
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricsRecorder
@@ -62,23 +63,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Keys of ``kv_connector_extra_config`` that vLLM itself reads; kvtier never sees them.
-#: ``block_size`` and ``blocks_per_chunk`` come back as the chunk size vLLM resolved.
-VLLM_KEYS = frozenset(
-    {
-        "spec_name",
-        "spec_module_path",
-        "block_size",
-        "blocks_per_chunk",
-        "self_describing_kv_events",
-        "canonical_layout",
-        "sync_load_budget_bytes",
-    }
-)
-
-#: vLLM's fs-tier thread counts, as the kvtier fs tier's I/O depths.
-_FS_KEYS = {"n_read_threads": "read_depth", "n_write_threads": "write_depth"}
 
 _LOOKUP = {
     LookupResult.MISS: vllm_base.LookupResult.MISS,
@@ -109,46 +93,6 @@ _ENGINE_ID_BAD = re.compile(r"[^A-Za-z0-9_.-]")
 
 #: Label names of ``vllm:kv_offload_config_info`` this spec fills.
 _INFO_KEYS = ("backend", "tiers", "eviction_policy", "blocks_per_chunk")
-
-
-def translate_extra_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's ``kv_connector_extra_config`` as kvtier's: vLLM's own keys removed,
-    vLLM's fs-tier keys renamed.
-
-    Raises:
-        ConfigError: ``canonical_layout`` is true, or an fs tier sets both a vLLM key
-            and the kvtier key it maps to.
-    """
-    if extra_config.get("canonical_layout"):
-        raise ConfigError(
-            "canonical_layout",
-            "is not supported by KVTierOffloadingSpec: kvtier stores each worker's own "
-            "KV pages (vLLM's direct layout), whose namespace names the world size; "
-            "remove canonical_layout",
-        )
-    translated = {k: v for k, v in extra_config.items() if k not in VLLM_KEYS}
-    tiers = translated.get("secondary_tiers")
-    if isinstance(tiers, list):
-        translated["secondary_tiers"] = [
-            _translate_tier(tier, i) if isinstance(tier, Mapping) else tier
-            for i, tier in enumerate(tiers)
-        ]
-    return translated
-
-
-def _translate_tier(tier: Mapping[str, Any], index: int) -> dict[str, Any]:
-    out = dict(tier)
-    if out.get("type") != "fs":
-        return out
-    for vllm_key, kvtier_key in _FS_KEYS.items():
-        if vllm_key in out:
-            if kvtier_key in out:
-                raise ConfigError(
-                    f"secondary_tiers[{index}].{vllm_key}",
-                    f"set either {vllm_key} (vLLM's name) or {kvtier_key}, not both",
-                )
-            out[kvtier_key] = out.pop(vllm_key)
-    return out
 
 
 def _kvtier_spec_class(extra_config: Mapping[str, Any]) -> type[CPUOffloadingSpec]:

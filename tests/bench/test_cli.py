@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -131,7 +133,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(capsys, monkeypatch):
     with pytest.raises(SystemExit) as info:
         main(["bench", *SMALL, "--plot", "out.png"])
     assert info.value.code == 2
-    assert "pip install 'kvtier[plot]'" in capsys.readouterr().err
+    assert "pip install '.[plot]' in kvtier's checkout" in capsys.readouterr().err
 
 
 def test_plot_draws_hit_rate_and_throughput_over_time(tmp_path):
@@ -372,11 +374,95 @@ def test_inspect_of_a_bench_root_or_a_namespace_directory_says_where_to_look(tmp
     ran = kvtier("bench", *SMALL_BENCH, "--workload", "no-reuse", "--quiet", "--root", str(root))
     assert ran.returncode == 0, ran.stderr
     at_root = kvtier("inspect", str(root))
-    assert at_root.returncode == 0, at_root.stderr
-    assert f"{root}: no kvtier namespace" in at_root.stdout
-    assert f"kvtier inspect {root / 'fs'}" in at_root.stdout
+    # No cache right there: an error a script sees, with the way to the cache in it.
+    assert at_root.returncode == 2 and at_root.stdout == ""
+    assert at_root.stderr.startswith(f"kvtier: error: {root}: no kvtier cache")
+    assert f"kvtier inspect {root / 'fs'}" in at_root.stderr
     [namespace_dir] = [p for p in (root / "fs").iterdir() if p.is_dir()]
     inside = kvtier("inspect", str(namespace_dir), "--json")
-    assert json.loads(inside.stdout) == []  # the JSON stays clean; the hint is on stderr
+    assert inside.returncode == 2 and inside.stdout == ""
     assert "is a namespace directory itself" in inside.stderr
     assert f"kvtier inspect {root / 'fs'}" in inside.stderr
+    assert kvtier("inspect", str(root / "fs")).returncode == 0
+
+
+# --------------------------------------- where the run writes, checked before it starts
+
+
+def unwritable_directory(tmp_path: Path) -> Path:
+    """A directory in which this user can create nothing.
+
+    Permission bits do for a user other than root; root ignores them, so for root it is
+    /sys, where even root creates nothing (skipped where that is not so).
+    """
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        return locked
+    try:
+        Path(tempfile.mkdtemp(dir="/sys")).rmdir()
+    except OSError:
+        return Path("/sys")
+    pytest.skip("no directory here that root cannot write")
+
+
+def refused_before_the_run(result, *fragments: str) -> None:
+    """One error line naming the location, exit code 2, and no run begun."""
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr  # no progress line: nothing ran
+    assert result.stderr.startswith("kvtier: error: ")
+    for fragment in fragments:
+        assert fragment in result.stderr
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_file_under_a_regular_file_is_refused_before_the_run(tmp_path, option):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    target = a_file / "out.png"
+    result = kvtier("bench", *SMALL_BENCH, option, str(target))
+    refused_before_the_run(result, f"{option} {target}: {a_file} is not a directory")
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_file_in_a_directory_nobody_can_write_is_refused_before_the_run(tmp_path, option):
+    target = unwritable_directory(tmp_path) / "out.png"
+    result = kvtier("bench", *SMALL_BENCH, option, str(target))
+    refused_before_the_run(result, f"{option} {target}: cannot create it in {target.parent}: ")
+
+
+def test_an_output_file_that_is_a_directory_is_refused_before_the_run(tmp_path):
+    result = kvtier("bench", *SMALL_BENCH, "--json", str(tmp_path))
+    refused_before_the_run(result, f"--json {tmp_path}: is a directory")
+
+
+def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_before_the_run(tmp_path):
+    target = tmp_path / "bench.txt"
+    result = kvtier("bench", *SMALL_BENCH, "--plot", str(target))
+    refused_before_the_run(result, f"--plot {target}: matplotlib cannot write .txt files", ".png")
+
+
+def test_a_root_under_a_regular_file_is_refused_before_the_run(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    root = a_file / "root"
+    result = kvtier("bench", *SMALL_BENCH, "--root", str(root))
+    refused_before_the_run(result, f"--root {root}: {a_file} is not a directory")
+
+
+def test_a_root_that_cannot_be_created_is_refused_before_the_run(tmp_path):
+    root = unwritable_directory(tmp_path) / "kvtier-bench-root"
+    result = kvtier("bench", *SMALL_BENCH, "--root", str(root))
+    refused_before_the_run(result, f"--root {root}: cannot create it in {root.parent}: ")
+    assert not root.exists()
+
+
+def test_a_primary_tier_dev_shm_cannot_hold_is_refused_naming_primary_mib():
+    stat = os.statvfs("/dev/shm")
+    too_big = stat.f_bavail * stat.f_frsize // (1 << 20) + 1024
+    result = kvtier("bench", "--primary-mib", str(too_big))
+    refused_before_the_run(
+        result, f"kvtier: error: --primary-mib {too_big}: /dev/shm has ", "lower --primary-mib"
+    )
+    assert "cpu_bytes_to_use" not in result.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import SecondaryTier
+from kvtier import SecondaryTier, TierContext
 from kvtier.bench import (
     BENCH_TIERS,
     BenchSettings,
@@ -22,7 +22,9 @@ from kvtier.bench import (
     LocalTier,
     TierTraffic,
 )
+from kvtier.bench.tiers import raw_disk_depths
 from kvtier.cli import main
+from kvtier.region import PrimaryView
 from kvtier.tiers.example import ExampleTier
 from kvtier.tiers.fs import FileSystemTier
 from kvtier.tiers.p2p import PeerTier
@@ -268,3 +270,58 @@ def test_a_registered_tier_type_joins_the_run_the_report_and_the_limits_table(
     ]
     row = next(line for line in capsys.readouterr().out.splitlines() if "dict copy" in line)
     assert "2.50" in row and f"{report['ratios']['example_read']:.2f}" in row
+
+
+def test_a_tier_faster_than_its_limit_is_marked_and_the_reason_printed_beside_it(tmp_path, capsys):
+    @contextlib.asynccontextmanager
+    async def start(settings: BenchSettings, workspace: Path) -> AsyncIterator[LocalTier]:
+        yield LocalTier({"type": "example"})
+
+    async def measure(tier: SecondaryTier, run: LimitContext) -> dict[Direction, float]:
+        return {Direction.READ: 1e-6}  # a limit any tier that reads at all beats
+
+    def above_limit(tier: SecondaryTier, direction: Direction) -> str:
+        assert isinstance(tier, ExampleTier) and direction is Direction.READ
+        return "the example tier keeps its chunks in a dict"
+
+    limit = Limit(Direction.READ, "slow copy (example)", "slow_copy_gbps", "example_read")
+    BENCH_TIERS.register(BenchTier("example", ExampleTier, start, measure, (limit,), above_limit))
+    out = tmp_path / "report.json"
+    try:
+        argv = ["bench", *SMALL, "--workload", "cold-warm", "--tiers", "example"]
+        assert main([*argv, "--json", str(out)]) == 0
+    finally:
+        BENCH_TIERS.unregister("example")
+    report = json.loads(out.read_text())
+    assert report["ratios"]["example_read"] > 1
+    assert report["ratio_notes"] == {"example_read": "the example tier keeps its chunks in a dict"}
+    printed = " ".join(capsys.readouterr().out.split())
+    ratio = f"{report['ratios']['example_read']:.2f}"
+    assert f"slow copy (example) │ 0.00 │ {ratio} *" in printed
+    assert (
+        f"* slow copy (example): kvtier / limit {ratio}, above 1 because the example tier "
+        "keeps its chunks in a dict"
+    ) in printed
+
+
+def fs_tier(tmp_path: Path, **params: object) -> FileSystemTier:
+    row = memoryview(bytearray(4096))
+    ctx = TierContext(PrimaryView(row, 1, 4096), 4096, "namespace", "1:fs")
+    return FileSystemTier(ctx, root_dir=str(tmp_path), **params)
+
+
+def test_the_raw_disk_limit_is_measured_at_the_depths_the_fs_tier_uses(tmp_path):
+    assert raw_disk_depths(fs_tier(tmp_path)) == (1, 4)
+    assert raw_disk_depths(fs_tier(tmp_path, io_concurrency=8)) == (1, 8)
+    assert raw_disk_depths(fs_tier(tmp_path, read_depth=16, write_depth=2)) == (1, 2, 16)
+
+
+def test_an_fs_tier_beats_the_raw_limit_only_through_the_page_cache(tmp_path):
+    fs = BENCH_TIERS.get("fs")
+    assert fs.above_limit is not None
+    tier = fs_tier(tmp_path)
+    tier.o_direct = False  # as start() finds it on a filesystem without O_DIRECT
+    assert "reads through the page cache" in (fs.above_limit(tier, Direction.READ) or "")
+    assert "writes through the page cache" in (fs.above_limit(tier, Direction.WRITE) or "")
+    tier.o_direct = True  # the raw figure's own I/O: no route around it
+    assert fs.above_limit(tier, Direction.READ) is None

@@ -165,6 +165,11 @@ def test_serve_answers_chat_completions_and_reuses_the_prefix(tmp_path):
     try:
         # A first run converts the weights (about a minute here) before it listens.
         wait_ready(server, f"{base}/health", limit_s=600)
+        # The README's example: its request twice, then the chunk hits it shows.
+        readme_request = json.loads((ROOT / "examples" / "chat.json").read_text())
+        readme_answers = [post(f"{base}/v1/chat/completions", readme_request) for _ in range(2)]
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+            readme_metrics = response.read().decode()
         system = {"role": "system", "content": SYSTEM}
         first = post(
             f"{base}/v1/chat/completions",
@@ -194,6 +199,10 @@ def test_serve_answers_chat_completions_and_reuses_the_prefix(tmp_path):
         message = answer["choices"][0]["message"]
         assert message["role"] == "assistant"
         assert message["content"].strip()
+    readme_cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in readme_answers]
+    assert readme_cached[0] == 0 and readme_cached[1] >= 2 * CHUNK_TOKENS
+    shown = [line for line in readme_metrics.splitlines() if "chunk_hits" in line]
+    assert primary_hits("\n".join(shown)) >= 2  # what `grep chunk_hits` shows
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * CHUNK_TOKENS
     assert primary_hits(metrics) >= 3
