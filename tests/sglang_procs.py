@@ -12,6 +12,10 @@ from typing import Any
 
 MIB = 1 << 20
 
+#: SGLang's prefetch time-outs in the test processes (what a server's extra config would
+#: say): a slow tier's test waits this long, not SGLang's default second.
+PREFETCH_TIMEOUTS = {"prefetch_timeout_base": 2.0, "prefetch_timeout_per_ki_token": 0.25}
+
 
 def fs_config(root: Path, *, cpu_bytes: int = 4 * MIB, **tier: Any) -> dict[str, Any]:
     """kvtier settings: a primary tier and an fs tier under ``root``."""

@@ -21,6 +21,7 @@ with warnings.catch_warnings():
 
 import torch
 from sglang_host import Geometry, HiCacheHost, configure_process
+from sglang_procs import PREFETCH_TIMEOUTS
 
 # One intra-op thread: the pages are small, and torch's spinning worker threads would
 # take the small test machine's cores from the controller's and kvtier's threads.
@@ -28,18 +29,7 @@ torch.set_num_threads(1)
 
 SHM_DIR = Path("/dev/shm")
 
-#: SGLang's prefetch time-outs for this process (what a server's extra config would
-#: say): a slow tier's test waits this long, not SGLang's default second.
-PREFETCH_TIMEOUT_BASE_S = 2.0
-PAGE_TOKENS = Geometry().page_tokens
-
-configure_process(
-    PAGE_TOKENS,
-    storage_extra_config={
-        "prefetch_timeout_base": PREFETCH_TIMEOUT_BASE_S,
-        "prefetch_timeout_per_ki_token": 0.25,
-    },
-)
+configure_process(Geometry().page_tokens, storage_extra_config=PREFETCH_TIMEOUTS)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
