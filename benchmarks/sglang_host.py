@@ -118,8 +118,16 @@ def configure_process(
     if storage_extra_config:
         fields["hicache_storage_backend_extra_config"] = wanted["extra"]
     get_context().override_server_args(**fields).install()
+    # Attention and MoE tensor parallelism span the same ranks (no DP attention, no EP).
     get_parallel().override_permanently(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, attn_dcp_rank=0
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        attn_tp_rank=tp_rank,
+        attn_tp_size=tp_size,
+        moe_tp_rank=tp_rank,
+        moe_tp_size=tp_size,
+        pp_rank=0,
+        attn_dcp_rank=0,
     )
     _configured.update(wanted)
 

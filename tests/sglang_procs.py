@@ -25,20 +25,29 @@ def fs_config(root: Path, *, cpu_bytes: int = 4 * MIB, **tier: Any) -> dict[str,
     }
 
 
-def tp_rank(rank: int, size: int, root: str, tokens: list[int], conn: Connection) -> None:
-    """One tensor-parallel rank of a server: its own process, SGLang ranks published,
-    its own host pool and kvtier backend over the shared fs ``root``.
+def tp_rank(
+    rank: int, size: int, port: int, root: str, tokens: list[int], conn: Connection
+) -> None:
+    """One tensor-parallel rank of a server in its own process: SGLang's ranks
+    published, a gloo group with the other ranks (SGLang agrees on prefetch hits and
+    completions through it), its own host pool and kvtier backend over the shared fs
+    ``root``.
 
-    Stores ``tokens`` with this rank's bytes, waits for the word, then empties its
-    primary tier and prefetches them back from disk; reports what it read.
+    Stores ``tokens`` with this rank's share of the bytes and empties its primary tier;
+    on the word, prefetches them back from disk and reports what it read.
     """
+    import torch.distributed as dist
     from sglang_host import HiCacheHost, configure_process, kvtier_extra_config
 
-    configure_process(8, tp_rank=rank, tp_size=size)
+    configure_process(8, tp_rank=rank, tp_size=size, storage_extra_config=PREFETCH_TIMEOUTS)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
     host = HiCacheHost(
         "dynamic",
         kvtier_extra_config(fs_config(Path(root))),
         salt=f"rank{rank}",
+        tp_group=dist.group.WORLD,
     )
     try:
         stored = host.backup(tokens)
@@ -47,8 +56,11 @@ def tp_rank(rank: int, size: int, root: str, tokens: list[int], conn: Connection
         conn.send(("stored", stored, store.namespace))
         assert conn.recv() == "read"
         hit, completed, indices = host.prefetch(tokens, scribble=True)
-        exact = host.matching_pages(indices, host.hashes(tokens)) if indices is not None else []
+        assert indices is not None
+        exact = host.matching_pages(indices, host.hashes(tokens))
         conn.send(("read", hit, completed, exact))
+        assert conn.recv() == "exit"
     finally:
         host.close()
+        dist.destroy_process_group()
         conn.close()

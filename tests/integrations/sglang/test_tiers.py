@@ -3,6 +3,7 @@ real server on loopback, p2p between two engines, and tiers too slow for SGLang.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 import uuid
 from collections.abc import Iterator
@@ -10,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_servers import ACCESS_KEY, SECRET_KEY, MotoServer
+import sglang_procs
+from s3_servers import ACCESS_KEY, SECRET_KEY, MotoServer, free_port
 from sglang_host import HiCacheHost, kvtier_extra_config
 from sglang_procs import MIB, PREFETCH_TIMEOUTS, fs_config
 
@@ -297,3 +299,68 @@ def test_sglangs_failure_injector_never_lets_a_wrong_byte_through(
     backend = host.backend._backend
     for tokens, backed_up in zip(sequences, stored, strict=True):
         assert backend.batch_exists(host.hashes(tokens)) == backed_up // page
+
+
+# ---------------------------------------------------------------- two TP ranks
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def test_two_tp_ranks_in_two_processes_keep_their_own_bytes_and_agree(tokens_of, tmp_path):
+    """Two tensor-parallel ranks, each a process with its own kvtier backend, share one
+    fs root: each reads back its own share of every page (the namespaces keep them
+    apart), and SGLang's rank consensus sees one rank's corrupt chunk on both."""
+    tokens = tokens_of(8, 8)
+    port = free_port()
+    ranks = []
+    for rank in range(2):
+        conn, child = SPAWN.Pipe()
+        proc = SPAWN.Process(
+            target=sglang_procs.tp_rank, args=(rank, 2, port, str(tmp_path), tokens, child)
+        )
+        proc.start()
+        child.close()
+        ranks.append((proc, conn))
+    try:
+        stored = [receive(conn) for _, conn in ranks]
+        assert [s[:2] for s in stored] == [("stored", len(tokens))] * 2
+        assert "tp0of2" in stored[0][2] and "tp1of2" in stored[1][2]
+        assert sorted(p.name.split("_")[-2] for p in tmp_path.glob("*/")) == ["tp0of2", "tp1of2"]
+
+        # Rank 1's chunk of page 5 goes bad: rank 1 can serve 5 pages, rank 0 all 8.
+        (rank1_dir,) = tmp_path.glob("*tp1of2_*")
+        page_hash = hashes_of(tokens)[5]
+        damaged = rank1_dir / chunk_path(page_key(page_hash))
+        data = bytearray(damaged.read_bytes())
+        data[-1] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+
+        for _, conn in ranks:
+            conn.send("read")
+        results = [receive(conn) for _, conn in ranks]
+        for conn_result in results:
+            _, hit, completed, exact = conn_result
+            assert hit == len(tokens)
+            assert completed == 5 * 8  # both ranks take the pages every rank has
+            assert exact[:5] == [True] * 5
+        for _, conn in ranks:
+            conn.send("exit")
+    finally:
+        for proc, conn in ranks:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+            conn.close()
+    assert [proc.exitcode for proc, _ in ranks] == [0, 0]
+
+
+def receive(conn: Any) -> Any:
+    assert conn.poll(120), "a rank did not answer"
+    return conn.recv()
+
+
+def hashes_of(tokens: list[int]) -> list[str]:
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return list(get_storage_hash_str(tokens, None, page_size=8))
