@@ -328,13 +328,13 @@ class PageStore:
         seconds; keys still unanswered then end the prefix. The prefix found stays with
         its request for the :meth:`load` that normally follows.
         """
-        if not keys:
-            return 0
         with self._gate.call() as open_:
             if not open_:
                 return 0
-            deadline = time.monotonic() + timeout
             self._expire_sessions()
+            if not keys:
+                return 0
+            deadline = time.monotonic() + timeout
             req = self._new_request()
             manager = self.manager
             while True:
