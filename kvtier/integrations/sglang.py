@@ -215,6 +215,11 @@ class _Gate:
         self._fenced = False
         self.closed = False
 
+    @property
+    def active(self) -> int:
+        """Calls in flight now."""
+        return self._active
+
     @contextlib.contextmanager
     def call(self) -> Iterator[bool]:
         with self._cond:
@@ -401,12 +406,13 @@ class PageStore:
                     with manager.lock:
                         ready, waiting = self._ready(keys, done, req)
                         manager.on_schedule_end()
-                    for index, slot in ready:
+                    if ready:
                         try:
-                            _copy_out(rows[slot], pages[index])
+                            for index, slot in ready:
+                                _copy_out(rows[slot], pages[index])
+                                done[index] = True
                         finally:
-                            manager.complete_load([keys[index]], req)
-                        done[index] = True
+                            manager.complete_load([keys[index] for index, _ in ready], req)
                     if not waiting or not self._wait(deadline):
                         break
             finally:
@@ -423,7 +429,11 @@ class PageStore:
         self, keys: Sequence[OffloadKey], done: list[bool], req: ReqContext
     ) -> tuple[list[tuple[int, int]], bool]:
         """Pin the keys readable now (under the lock): their (index, slot), and whether
-        a key before the first miss is still on its way."""
+        a key before the first miss is still on its way.
+
+        Every look asks about every key up to the first miss: a key a tier has just
+        said it holds starts its promotion only when it is looked up again.
+        """
         manager = self.manager
         readable: list[int] = []
         waiting = False
@@ -501,8 +511,9 @@ class PageStore:
         manager = self.manager
         batch = [keys[i] for i in part]
         while (out := manager.prepare_store(batch, req)) is None:
-            if not manager.has_pending_work() or not self._wait(deadline):
+            if not self._room_may_come() or not self._wait(deadline):
                 return None
+            self._expire_sessions()
         if not out.keys_to_store:
             return 0
         position = {keys[i]: i for i in part}
@@ -587,6 +598,12 @@ class PageStore:
             self.manager.on_request_finished(session.req)
 
     # --------------------------------------------------------------- helpers
+
+    def _room_may_come(self) -> bool:
+        """Whether something holding primary slots will let go of them: tier work in
+        flight, another call (a load copying out of pinned slots), or a session
+        keeping promoted slots for its load."""
+        return self.manager.has_pending_work() or self._gate.active > 1 or bool(self._sessions)
 
     def _wait(self, deadline: float) -> bool:
         """Wait for tier work to finish, at most until ``deadline``; False once past it."""
