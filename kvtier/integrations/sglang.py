@@ -186,6 +186,16 @@ class _Session:
     busy: bool = False
 
 
+# Load and store samples kept for take_io_samples. SGLang takes them at every scheduler
+# step when its storage metrics are on, and never when they are off: the newest this
+# many are kept, so a server without metrics does not grow.
+_MAX_IO_SAMPLES = 4096
+
+
+def _samples() -> deque[IOSample]:
+    return deque(maxlen=_MAX_IO_SAMPLES)
+
+
 @dataclass
 class _Counts:
     """Cumulative page counts, for :meth:`PageStore.stats`."""
@@ -197,8 +207,8 @@ class _Counts:
     stored: int = 0
     already_stored: int = 0
     store_failures: int = 0
-    load_samples: list[IOSample] = field(default_factory=list)
-    store_samples: list[IOSample] = field(default_factory=list)
+    load_samples: deque[IOSample] = field(default_factory=_samples)
+    store_samples: deque[IOSample] = field(default_factory=_samples)
 
 
 class _Gate:
@@ -665,8 +675,9 @@ class PageStore:
         """The (loads, stores) that moved pages since the last call."""
         with self._counts_lock:
             record = self._counts
-            loads, record.load_samples = record.load_samples, []
-            stores, record.store_samples = record.store_samples, []
+            loads, stores = list(record.load_samples), list(record.store_samples)
+            record.load_samples.clear()
+            record.store_samples.clear()
         return loads, stores
 
     def reset(self) -> None:
