@@ -1,6 +1,7 @@
 """Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, and
-``nox -s model`` (the real SmolLM2 model through kvtier; not run by default) and
-``nox -s vllm`` (vLLM's real scheduler and connectors driving kvtier)."""
+``nox -s model`` (the real SmolLM2 model through kvtier; not run by default),
+``nox -s vllm`` (vLLM's real scheduler and connectors driving kvtier) and ``nox -s
+sglang`` (SGLang's real HiCache controllers storing into kvtier)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,38 @@ def vllm(session: nox.Session) -> None:
             # A fresh cache per run: vLLM caches the model-architecture probe there, and
             # a warm one would hide a missing dependency of that probe.
             "VLLM_CACHE_ROOT": f"{cache_root}/vllm-cache-{os.getpid()}",
+            "HF_HUB_OFFLINE": "1",
+        },
+    )
+
+
+# SGLang, like vLLM, is installed without its requirements (they pull a CUDA torch),
+# from a pin list known to import its HiCache controllers and host pools on a CPU-only
+# machine. torchvision's wheel does not load beside the CPU torch, so an import-only
+# stand-in goes on PYTHONPATH. SGLang compiles its page-hash extension on first use
+# (g++, libssl-dev and ninja-build must be installed).
+SGLANG = "sglang==0.5.23"
+SGLANG_PINS = "tests/integrations/sglang/pins.txt"
+SGLANG_STUBS = "tests/integrations/sglang/stubs"
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """The SGLang integration tests: its real cache controllers over kvtier (CPU)."""
+    session.install(TORCH_CPU)
+    session.install("--no-deps", SGLANG)
+    session.install("--no-deps", "-r", SGLANG_PINS)
+    session.install("-e", ".[test]")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "sglang",
+        "tests/integrations/sglang",
+        *session.posargs,
+        env={
+            "PYTHONPATH": os.path.abspath(SGLANG_STUBS),
             "HF_HUB_OFFLINE": "1",
         },
     )

@@ -1,0 +1,1 @@
+"""Present because transformers imports ``torchvision.transforms.v2.functional``."""
