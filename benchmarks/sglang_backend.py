@@ -200,7 +200,7 @@ class Bench:
             return
         manager = self.hosts[name].backend.page_store.manager
         while manager.has_pending_work():
-            manager.wait_for_completions_blocking(0.05)
+            manager.host.wait_for_completions_blocking(0.05)
 
     def make_cold(self) -> None:
         self.hosts["kvtier"].backend.page_store.reset()

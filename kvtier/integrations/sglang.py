@@ -25,7 +25,7 @@ never imports SGLang; it only translates SGLang's calls, host pools and configur
 How SGLang's threads reach kvtier's event loop: every call goes through the manager's
 synchronous scheduler API (``lookup``, ``prepare_load`` / ``complete_load``,
 ``prepare_store`` / ``complete_store``, ``on_schedule_end``,
-``wait_for_completions_blocking``) under ``manager.lock``; the tiers run on the
+``host.wait_for_completions_blocking``) under ``manager.lock``; the tiers run on the
 manager's own loop thread. A caller waits only for the tier work its call asked for,
 and never past the deadline it was given: what has not arrived by then is a miss.
 
@@ -620,7 +620,7 @@ class PageStore:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        self.manager.wait_for_completions_blocking(min(remaining, _WAIT_SLICE_S))
+        self.manager.host.wait_for_completions_blocking(min(remaining, _WAIT_SLICE_S))
         return time.monotonic() < deadline
 
     def _check_pages(self, keys: Sequence[OffloadKey], pages: Sequence[Sequence[Segment]]) -> None:
