@@ -4,8 +4,9 @@ The manager decides (which key is promoted, which slots a job gets); the
 :class:`Dispatcher` carries the decisions out. It hands jobs and lookup batches to the
 tier loop, cascades and promotions alike, in one call per step, and applies what
 comes back through the completion queue: a job's outcome to the job table, the slot
-ledger and the lookup answers, a lookup batch to its tier's answers, a late job's end
-and pin requests to the ledger. Everything here runs under the manager's lock.
+ledger, the lookup answers and the tier's measured promotion cost; a lookup batch to
+its tier's answers; a late job's end and pin requests to the ledger. Everything here
+runs under the manager's lock.
 """
 
 from __future__ import annotations

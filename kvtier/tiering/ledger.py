@@ -127,6 +127,8 @@ class SlotLedger:
         Raises:
             StateError: ``holder`` holds no pin on one of the keys (nothing is released).
         """
+        if not keys:
+            return
         held = self._pins.get(holder)
         needed: dict[OffloadKey, int] = {}
         for key in keys:

@@ -62,6 +62,7 @@ def test_releasing_a_pin_the_holder_does_not_have_is_refused_and_changes_nothing
     with pytest.raises(StateError, match="holds no pin"):
         ledger.release([a, a], Holder.request("owner"))
     assert primary.ref_count(a) == primary.ref_count(b) == 1
+    ledger.release([], Holder.request("nobody"))  # nothing to release is no error
 
 
 def test_a_timed_out_promotion_keeps_its_slot_until_no_row_of_it_is_referenced(
