@@ -115,7 +115,7 @@ SGLANG_STUBS = "tests/integrations/sglang/stubs"
 @nox.session
 def sglang(session: nox.Session) -> None:
     """The SGLang integration tests: its real cache controllers over kvtier (CPU)."""
-    session.install(TORCH_CPU)
+    session.install(*torch_install_args(os.environ))
     session.install("--no-deps", SGLANG)
     session.install("--no-deps", "-r", SGLANG_PINS)
     session.install("-e", ".[test]")

@@ -59,7 +59,7 @@ def test_every_session_that_installs_torch_installs_it_through_the_variables():
         node for node in tree.body if isinstance(node, ast.FunctionDef) and node.decorator_list
     ]
     torch_sessions = [s.name for s in sessions if "torch_install_args" in ast.unparse(s)]
-    assert torch_sessions == ["tests", "model", "typecheck", "vllm"]
+    assert torch_sessions == ["tests", "model", "typecheck", "vllm", "sglang"]
     for session in sessions:
         assert "TORCH_CPU" not in ast.unparse(session), session.name
 

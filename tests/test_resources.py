@@ -161,7 +161,7 @@ def kvtier_classes() -> Iterator[type]:
         try:
             module = importlib.import_module(info.name)
         except ModuleNotFoundError as exc:
-            if (exc.name or "").split(".")[0] == "vllm":  # optional: nox -s vllm has it
+            if (exc.name or "").split(".")[0] in ("vllm", "sglang"):  # nox -s vllm / sglang
                 continue
             raise
         for value in vars(module).values():

@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.sglang import (
+from kvtier.integrations._sglang_store import (
     PageStore,
     Segment,
     UnsupportedPoolError,
