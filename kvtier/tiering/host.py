@@ -1,10 +1,10 @@
 """What a host needs of the manager beyond the scheduler protocol.
 
 The :class:`~kvtier.KVTier` facade and hosts like it look a whole prefix up at once,
-wait for tier work without polling, and know how big the primary tier is; any host
-may say what recomputing a chunk costs it and stop waiting for a request's chunks. Every call
-here runs under the manager's lock, as the scheduler protocol's do, and the slots a
-request holds are the slot ledger's record, so a host keeps no ledger of its own.
+wait for tier work without polling, and know how big the primary tier is; any host may
+say what recomputing a chunk costs it and stop waiting for a request's chunks. Every
+call here runs under the manager's lock, as the scheduler protocol's do, and the slots
+a request holds are the slot ledger's record, so a host keeps no ledger of its own.
 """
 
 from __future__ import annotations
