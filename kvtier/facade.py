@@ -270,16 +270,7 @@ class KVTier(AsyncResource):
 
     async def _wait_for(self, claim: _Claim, deadline: float | None) -> bool:
         """Wait until a claim is released; False past the deadline or once fenced."""
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            return False
-        wait = asyncio.ensure_future(claim.done.wait())
-        self._fence.waits.add(wait)
-        try:
-            await asyncio.wait({wait}, timeout=remaining)
-        finally:
-            self._fence.waits.discard(wait)
-            wait.cancel()
+        await self._fenced_wait(claim.done.wait(), deadline)
         return claim.done.is_set() and not self._fence.raised
 
     async def _find(
@@ -319,19 +310,27 @@ class KVTier(AsyncResource):
 
     async def _wait(self, deadline: float | None) -> bool:
         """Wait for the next completion; False past the deadline or once fenced."""
+        if not await self._fenced_wait(self.manager.wait_for_completions(), deadline):
+            return False
+        if self._fence.raised:
+            return False
+        return deadline is None or time.monotonic() < deadline
+
+    async def _fenced_wait(self, waiting: Coroutine[Any, Any, Any], deadline: float | None) -> bool:
+        """Await ``waiting`` until it is done, the deadline passes or a fence goes up
+        (which cancels it); False if the deadline had passed already."""
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
+            waiting.close()
             return False
-        wait = asyncio.ensure_future(self.manager.wait_for_completions())
+        wait = asyncio.ensure_future(waiting)
         self._fence.waits.add(wait)
         try:
             await asyncio.wait({wait}, timeout=remaining)
         finally:
             self._fence.waits.discard(wait)
             wait.cancel()
-        if self._fence.raised:
-            return False
-        return deadline is None or time.monotonic() < deadline
+        return True
 
     # ---------------------------------------------------------------- copies
 
