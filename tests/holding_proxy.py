@@ -19,6 +19,8 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
+from loopback import LoopbackServer
+
 from kvtier.testing import Stall
 
 _READ_BYTES = 1 << 16
@@ -36,42 +38,20 @@ class _Connection:
         self.hold: _Hold | None = None
 
 
-class HoldingProxy:
+class HoldingProxy(LoopbackServer):
     """Relays 127.0.0.1:``port`` to ``upstream``; holds answers on demand."""
 
     def __init__(self, upstream: tuple[str, int], *, http: bool = False) -> None:
+        super().__init__()
         self.upstream = upstream
         self.http = http
-        self.port = 0
         self._armed: _Hold | None = None
         self._holds: list[_Hold] = []
-        self._server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task[None]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def __aenter__(self) -> HoldingProxy:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
         for hold in self._holds:
             hold.released.set()
-        for writer in list(self._writers):
-            writer.close()
-        if self._handlers:
-            await asyncio.wait(list(self._handlers))
-        await self._server.wait_closed()
+        await self._stop(cancel_handlers=False)
 
     @contextlib.contextmanager
     def hold_next(self, method: str | None = None) -> Iterator[Stall]:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiobotocore.config import AioConfig
+from loopback import LoopbackServer
 
 from kvtier.bench.servers import (
     ACCESS_KEY,
@@ -95,7 +96,7 @@ async def put_object(endpoint: str, bucket: str, name: str, data: bytes) -> None
         await client.put_object(Bucket=bucket, Key=name, Body=data)
 
 
-class ChaosProxy:
+class ChaosProxy(LoopbackServer):
     """A TCP proxy on 127.0.0.1 in front of an S3 server, misbehaving on demand.
 
     Each new connection's first request decides its fate: while :attr:`refuse` is
@@ -108,34 +109,15 @@ class ChaosProxy:
     """
 
     def __init__(self, upstream_port: int) -> None:
+        super().__init__()
         self.upstream_port = upstream_port
         self.refuse = 0
         self.refused = 0
         self.stall = False
         self.no_conditional_writes = False
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task[None]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def __aenter__(self) -> ChaosProxy:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-        self._close_all()
-        for task in list(self._handlers):
-            task.cancel()
-        if self._handlers:
-            await asyncio.wait(list(self._handlers))
+        await self._stop(cancel_handlers=True)
 
     async def drop_connections(self) -> None:
         """Close every open connection, and give clients a moment to notice."""
