@@ -70,6 +70,15 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy")
 
 
+def install_without_requirements(session: nox.Session, engine: str, pins: str) -> None:
+    """The CPU torch, then a serving engine without its requirements (they pull a CUDA
+    torch of several GB) and the pinned packages it imports, then kvtier for tests."""
+    session.install(*torch_install_args(os.environ))
+    session.install("--no-deps", engine)
+    session.install("--no-deps", "-r", pins)
+    session.install("-e", ".[test]")
+
+
 # vLLM's own requirements pull a CUDA torch of several GB, so vLLM is installed without
 # them and its import-time dependencies come from a pin list known to import
 # vllm.v1.kv_offload and the offloading connector on a CPU-only machine.
@@ -80,10 +89,7 @@ VLLM_PINS = "tests/integrations/vllm/pins.txt"
 @nox.session
 def vllm(session: nox.Session) -> None:
     """The vLLM integration tests, against vLLM's real scheduler and connector (CPU)."""
-    session.install(*torch_install_args(os.environ))
-    session.install("--no-deps", VLLM)
-    session.install("--no-deps", "-r", VLLM_PINS)
-    session.install("-e", ".[test]")
+    install_without_requirements(session, VLLM, VLLM_PINS)
     cache_root = session.create_tmp()
     session.run(
         "python",
@@ -115,10 +121,7 @@ SGLANG_STUBS = "tests/integrations/sglang/stubs"
 @nox.session
 def sglang(session: nox.Session) -> None:
     """The SGLang integration tests: its real cache controllers over kvtier (CPU)."""
-    session.install(*torch_install_args(os.environ))
-    session.install("--no-deps", SGLANG)
-    session.install("--no-deps", "-r", SGLANG_PINS)
-    session.install("-e", ".[test]")
+    install_without_requirements(session, SGLANG, SGLANG_PINS)
     session.run(
         "python",
         "-m",

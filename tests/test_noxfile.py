@@ -58,9 +58,16 @@ def test_every_session_that_installs_torch_installs_it_through_the_variables():
     sessions = [
         node for node in tree.body if isinstance(node, ast.FunctionDef) and node.decorator_list
     ]
-    torch_sessions = [s.name for s in sessions if "torch_install_args" in ast.unparse(s)]
+    [engines] = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name == "install_without_requirements"
+    ]
+    assert "torch_install_args(os.environ)" in ast.unparse(engines)
+    through = ("torch_install_args", "install_without_requirements")
+    torch_sessions = [s.name for s in sessions if any(n in ast.unparse(s) for n in through)]
     assert torch_sessions == ["tests", "model", "typecheck", "vllm", "sglang"]
-    for session in sessions:
+    for session in [*sessions, engines]:
         assert "TORCH_CPU" not in ast.unparse(session), session.name
 
 

@@ -17,7 +17,7 @@ finished a job there is nothing to go by, and its hits are promoted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
 
 __all__ = ["PromotionCosts"]
 
@@ -55,9 +55,6 @@ class PromotionCosts:
             return False
         return (ahead + 1) * per_chunk > (own + 1) * recompute
 
-    def estimates(self) -> Sequence[float | None]:
-        return tuple(self.per_chunk_s)
-
 
 class Deadlines:
     """How long a request's lookups may stay pending.
@@ -73,14 +70,16 @@ class Deadlines:
         self._since: dict[str, float] = {}
         self._expired: set[str] = set()
 
-    def expired(self, req_id: str, now: float) -> bool:
+    def expired(self, req_id: str) -> bool:
         """Whether the request's pending keys are misses now; the first call for a
-        request starts its clock."""
+        request starts its clock. Reads the clock only when ``max_pending_s`` is set:
+        the lookup path calls this for every key that is not readable."""
         if req_id in self._expired:
             return True
         limit = self.max_pending_s
         if limit is None:
             return False
+        now = time.perf_counter()
         since = self._since.setdefault(req_id, now)
         if now - since <= limit:
             return False

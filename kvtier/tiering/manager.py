@@ -14,7 +14,6 @@ runs them.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Collection, Sequence
 
 from kvtier.keys import OffloadKey
@@ -227,8 +226,8 @@ class TieringOffloadingManager(AsyncResource):
             counters[_HITS] += 1
             if refs >= 0:
                 return _HIT
-            return _MISS if self._deadlines.expired(req_id, time.perf_counter()) else _HIT_PENDING
-        if not self._tiers or self._deadlines.expired(req_id, time.perf_counter()):
+            return _MISS if self._deadlines.expired(req_id) else _HIT_PENDING
+        if not self._tiers or self._deadlines.expired(req_id):
             return _MISS
         result, evicted = self._promotions.resolve(key, req_id, protected)
         if evicted:

@@ -6,11 +6,9 @@ from __future__ import annotations
 import multiprocessing
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import sglang_procs
 from s3_servers import ACCESS_KEY, SECRET_KEY, MotoServer, free_port
 from sglang_host import HiCacheHost, kvtier_extra_config
@@ -132,33 +130,6 @@ def test_a_truncated_chunk_is_a_miss(hosts, tokens_of, tmp_path):
 
 
 # ---------------------------------------------------------------------- s3
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    server = MotoServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def bucket(moto: MotoServer) -> str:
-    import boto3
-
-    name = f"kvtier-{uuid.uuid4().hex[:12]}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=moto.endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-    )
-    try:
-        client.create_bucket(Bucket=name)
-    finally:
-        client.close()
-    return name
 
 
 def s3_config(moto: MotoServer, bucket: str) -> dict[str, Any]:
