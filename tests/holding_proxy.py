@@ -76,10 +76,7 @@ class HoldingProxy(LoopbackServer):
         hold.reach()
 
     async def _handle(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        self._writers.add(to_client)
+        task = self._serving(to_client)
         connection = _Connection()
         to_server: asyncio.StreamWriter | None = None
         try:

@@ -4,7 +4,7 @@ ends every connection it is serving."""
 from __future__ import annotations
 
 import asyncio
-from typing import TypeVar
+from typing import Any, TypeVar
 
 _S = TypeVar("_S", bound="LoopbackServer")
 
@@ -12,15 +12,15 @@ _S = TypeVar("_S", bound="LoopbackServer")
 class LoopbackServer:
     """Serves 127.0.0.1 on a free port with :meth:`_handle`, one task a connection.
 
-    A subclass adds each connection's writers to ``_writers`` and its handler task to
-    ``_handlers``; :meth:`_stop` closes the listener and those connections, and waits
+    A handler registers its connection with :meth:`_serving` (more writers it opens go
+    into ``_writers``); :meth:`_stop` closes the listener and those connections, and waits
     for their handlers.
     """
 
     def __init__(self) -> None:
         self.port = 0
         self._server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task[None]] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
 
     @property
@@ -38,6 +38,15 @@ class LoopbackServer:
 
     async def _handle(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
         raise NotImplementedError
+
+    def _serving(self, writer: asyncio.StreamWriter) -> asyncio.Task[Any]:
+        """The calling handler serves the connection of ``writer``: close ends both.
+        Returns the handler's task (it discards itself when it ends)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._writers.add(writer)
+        return task
 
     async def _stop(self, *, cancel_handlers: bool) -> None:
         """Close the listener and every connection; wait for the handlers (cancelled
