@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from kvtier.integrations._sglang_store import (
     offloading_config,
     page_key,
 )
+from kvtier.keys import OffloadKey
 
 __all__ = ["KVTierHiCacheStorage"]
 
@@ -164,10 +165,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Pages into the host pool at ``host_indices``, straight from primary slots."""
         store = self._store()
-        pages = self._host_pages(keys, host_indices)
-        if pages is None:
-            return [False] * len(keys)
-        return store.load([page_key(k) for k in keys], pages, self._budget(len(keys)))
+        return self._move(store.load, keys, host_indices)
 
     def batch_set_v1(
         self,
@@ -177,10 +175,19 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Pages of the host pool at ``host_indices`` into primary slots, then the tiers."""
         store = self._store()
+        return self._move(store.store, keys, host_indices)
+
+    def _move(
+        self,
+        move: Callable[[Sequence[OffloadKey], Sequence[Sequence[Segment]], float], list[bool]],
+        keys: list[str],
+        host_indices: torch.Tensor,
+    ) -> list[bool]:
+        """One zero-copy batch: the pages at ``host_indices`` through ``move``."""
         pages = self._host_pages(keys, host_indices)
         if pages is None:
             return [False] * len(keys)
-        return store.store([page_key(k) for k in keys], pages, self._budget(len(keys)))
+        return move([page_key(k) for k in keys], pages, self._budget(len(keys)))
 
     def _host_pages(
         self, keys: Sequence[str], host_indices: torch.Tensor
