@@ -263,8 +263,12 @@ class SlotLedger:
         held = self._pins.get(holder)
         if held:
             slot_of = self._primary.slot_of
-            idle = [key for key in held if not in_use(slot_of(key))]
-            self.release_held([k for key in idle for k in [key] * held[key]], holder)
+            released: list[OffloadKey] = []
+            for key in [key for key in held if not in_use(slot_of(key))]:
+                released += [key] * held.pop(key)
+            if not held:
+                del self._pins[holder]
+            self._primary.complete_load(released)
 
     def _in_use(self, slot: int | None) -> bool:
         return slot is not None and self._view is not None and self._view.in_use(slot)
