@@ -129,13 +129,20 @@ class SlotLedger:
         """
         if not keys:
             return
-        held = self._pins.get(holder)
-        needed: dict[OffloadKey, int] = {}
-        for key in keys:
-            needed[key] = needed.get(key, 0) + 1
-            if held is None or held.get(key, 0) < needed[key]:
+        held = self._pins.get(holder, {})
+        # One pass that checks and takes (the scheduler's hot path), undone on a miss.
+        for done, key in enumerate(keys):
+            count = held.get(key, 0)
+            if count == 0:
+                for taken in keys[:done]:
+                    held[taken] = held.get(taken, 0) + 1
                 raise StateError(f"{holder} holds no pin on key {format_key(key)} to release")
-        self._take(holder, keys)
+            if count == 1:
+                del held[key]
+            else:
+                held[key] = count - 1
+        if not held:
+            self._pins.pop(holder, None)
         self._primary.complete_load(keys)
 
     def release_held(self, keys: Iterable[OffloadKey], holder: Holder) -> list[OffloadKey]:
@@ -313,13 +320,6 @@ class SlotLedger:
         held = self._pins.setdefault(holder, {})
         for key, count in counts.items():
             held[key] = held.get(key, 0) + count
-
-    def _take(self, holder: Holder, keys: Iterable[OffloadKey]) -> None:
-        held = self._pins[holder]
-        for key in keys:
-            self._take_one(held, key)
-        if not held:
-            del self._pins[holder]
 
     @staticmethod
     def _take_one(held: dict[OffloadKey, int], key: OffloadKey) -> bool:

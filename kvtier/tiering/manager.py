@@ -314,11 +314,12 @@ class TieringOffloadingManager(AsyncResource):
             req_id = req.req_id
             self._promotions.drop_request(req_id)
             self._deadlines.forget(req_id)
-            self._ledger.release_all(Holder.reserved(req_id))
-            self._ledger.release_all(Holder.request(req_id))
+            released = self._ledger.release_all(Holder.reserved(req_id))
+            released += self._ledger.release_all(Holder.request(req_id))
             if self._requests.finish(req_id):
                 self._finish_request(req_id)
-            self._completions.notify()
+            if released:  # a store waiting for room may now evict them
+                self._completions.notify()
 
     def _finish_request(self, req_id: str) -> None:
         for state in self._tiers:
