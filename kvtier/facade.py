@@ -254,11 +254,36 @@ class KVTier(AsyncResource):
         self._check_open()
         return hits
 
-    def _claim(self, keys: Sequence[OffloadKey], request: _Request, req_id: str) -> None:
+    def claim(self, keys: Sequence[OffloadKey], req_id: str) -> int:
+        """Say that ``req_id`` computes and stores ``keys``, as :meth:`lookup` with
+        ``claim`` does for the keys after its hits.
+
+        For a host that looks a long prefix up in windows: the window that misses
+        claims its own keys, and this claims the windows after it, which the request
+        computes too. Keys another request claimed stay that request's. A request
+        finishing (or storing the keys) releases its claims; one that has not looked
+        anything up, or has finished, claims nothing (nobody would release it).
+
+        Returns:
+            How many of ``keys`` the request newly claimed.
+
+        Raises:
+            KVTierError: the facade is closed.
+        """
+        self._check_open()
+        request = self._requests.get(req_id)
+        if request is None or request.ended:
+            return 0
+        return self._claim(keys, request, req_id)
+
+    def _claim(self, keys: Sequence[OffloadKey], request: _Request, req_id: str) -> int:
+        claimed = 0
         for key in keys:
             if key not in self._claims:
                 self._claims[key] = _Claim(req_id)
                 request.claims.add(key)
+                claimed += 1
+        return claimed
 
     def _release_claims(self, request: _Request, keys: Iterable[OffloadKey]) -> None:
         for key in keys:

@@ -386,3 +386,21 @@ async def test_a_claim_ends_with_its_request_and_never_makes_claimers_wait(engin
         assert await kv.lookup(prefix, "fifth", timeout=0.1) == 0
         for req in ("second", "third", "fourth", "fifth"):
             kv.finish(req)
+
+
+async def test_claiming_keys_past_a_lookup_makes_others_wait_for_them_too(engine_id):
+    async with KVTier(example_config(engine_id), [cache()]) as kv:
+        prefix = keys("long", 4)
+        assert await kv.lookup(prefix[:2], "first", claim=True) == 0
+        assert kv.claim(prefix, "first") == 2  # the two after the looked-up window
+        assert kv.claim(prefix, "second") == 0  # the first request's, not its own
+        waiting = asyncio.ensure_future(kv.lookup(prefix[2:], "second", timeout=30))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert await kv.store(prefix, [0, 1, 2, 3], "first") == 4
+        assert await asyncio.wait_for(waiting, 10) == 2
+        kv.finish("first")
+        assert kv.claim(prefix, "first") == 0  # a finished request claims nothing
+        kv.finish("second")
+    with pytest.raises(KVTierError, match="closed"):
+        kv.claim(prefix, "third")

@@ -75,6 +75,11 @@ DEFAULT_LOOKUP_TIMEOUT_S = 5.0
 #: copies crowd out the model's own threads on a small machine.
 COPY_THREADS = 2
 
+#: Weight of the newest prefill in the recompute cost's moving average: about the
+#: last five prompts count, so a machine that gets busier is followed within a few
+#: requests while one odd prefill (a page fault storm, a GC pause) moves it little.
+_PREFILL_ALPHA = 0.3
+
 
 #: Where :func:`load_gguf` keeps converted checkpoints unless told otherwise.
 MODEL_CACHE_ENV = "KVTIER_MODEL_CACHE"
@@ -274,6 +279,7 @@ class PrefixCache:
         self._free = list(range(self.kv_caches[0].shape[0]))
         self._returned = asyncio.Condition()
         self._copy_limiter = anyio.CapacityLimiter(COPY_THREADS)
+        self._measured_s_per_chunk: float | None = None
 
     def _check_pool(self) -> None:
         layout = self.layout
@@ -312,28 +318,74 @@ class PrefixCache:
         """A request id no other request of any process uses."""
         return f"hf-{uuid.uuid4().hex}"
 
+    # -------------------------------------------------------- recompute cost
+
+    @property
+    def recompute_s_per_chunk(self) -> float | None:
+        """What recomputing one chunk costs the model, as measured so far (None before
+        the first :meth:`observe_prefill`, or the configured value)."""
+        return self.kv.manager.host.recompute_s_per_chunk
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Tell kvtier that the model computed ``tokens`` prompt tokens in ``seconds``.
+
+        kvtier weighs every promotion from a secondary tier against this (load or
+        recompute): a chunk that would arrive later than the model could compute it
+        is a miss, and the model computes it. A moving average of seconds per chunk
+        follows the model as it warms up or the machine gets busier. A prefill
+        shorter than one chunk says little about a chunk's cost (fixed per-call
+        overheads dominate it) and is ignored.
+
+        Raises:
+            ValueError: ``tokens`` is negative or ``seconds`` not positive.
+        """
+        if tokens < 0 or not seconds > 0:
+            raise ValueError(
+                f"a prefill takes tokens >= 0 and seconds > 0, got {tokens} and {seconds}"
+            )
+        if tokens < self.chunk_tokens or self.kv.closed:
+            return
+        sample = seconds * self.chunk_tokens / tokens
+        current = self._measured_s_per_chunk
+        self._measured_s_per_chunk = (
+            sample if current is None else current + _PREFILL_ALPHA * (sample - current)
+        )
+        self.kv.manager.host.set_recompute_cost(self._measured_s_per_chunk)
+
     # -------------------------------------------------------------- requests
 
     @contextlib.asynccontextmanager
     async def request(
-        self, token_ids: Sequence[int], *, req_id: str | None = None
+        self, token_ids: Sequence[int], *, req_id: str | None = None, claim: bool = False
     ) -> AsyncIterator[PrefixRequest]:
-        """Restore the cached prefix of ``token_ids`` for one request; finish it on exit."""
+        """Restore the cached prefix of ``token_ids`` for one request; finish it on exit.
+
+        With ``claim``, see :meth:`restore`.
+        """
         req_id = req_id or self.new_req_id()
         try:
-            restored = await self.restore(token_ids, req_id)
+            restored = await self.restore(token_ids, req_id, claim=claim)
             yield PrefixRequest(self, list(token_ids), req_id, restored)
         finally:
             if not self.kv.closed:
                 self.kv.finish(req_id)
 
-    async def restore(self, token_ids: Sequence[int], req_id: str) -> Restored:
+    async def restore(
+        self, token_ids: Sequence[int], req_id: str, *, claim: bool = False
+    ) -> Restored:
         """Restore the longest cached prefix of ``token_ids`` into a new DynamicCache.
 
         Only whole chunks, and never the last token (the model must compute at least
         one). The prefix comes back in windows of :attr:`window_chunks` chunks; the
         first chunk missing, or promoted too late for the lookup timeout, ends it.
         The caller finishes ``req_id`` (``kv.finish``) when the request is done.
+
+        With ``claim`` the request says it computes and stores the chunks it did not
+        find (:meth:`KVTier.lookup <kvtier.KVTier.lookup>`): a concurrent request with
+        the same prefix then waits for them, within the lookup timeout, instead of
+        computing them too. Only for a host that computes this request while the
+        other waits, never one that waits while holding what this request needs to
+        run (a one-at-a-time model lock taken before the lookup, say).
 
         Raises:
             KVTierError: the facade is closed, or a copy failed.
@@ -347,7 +399,7 @@ class PrefixCache:
         while restored.chunks < len(keys):
             window = keys[restored.chunks : restored.chunks + self.window_chunks]
             started = time.perf_counter()
-            hits = await self.kv.lookup(window, req_id, timeout=self.lookup_timeout_s)
+            hits = await self.kv.lookup(window, req_id, timeout=self.lookup_timeout_s, claim=claim)
             looked_up = time.perf_counter()
             restored.lookup_s += looked_up - started
             loaded = 0
@@ -371,6 +423,8 @@ class PrefixCache:
                     restored.gather_s += time.perf_counter() - copied
             restored.chunks += loaded
             if loaded < len(window):
+                if claim:
+                    self.kv.claim(keys[restored.chunks :], req_id)
                 break
         restored.tokens = restored.chunks * self.chunk_tokens
         if restored.tokens:

@@ -60,6 +60,11 @@ class HostAccess:
         self._step = step
         self._has_tiers = has_tiers
 
+    @property
+    def recompute_s_per_chunk(self) -> float | None:
+        """The recompute cost promotions are weighed against (None: always promote)."""
+        return self._costs.recompute_s_per_chunk
+
     def set_recompute_cost(self, seconds_per_chunk: float | None) -> None:
         """What recomputing one chunk costs the host (prefill seconds, updated as it
         measures): a secondary hit whose promotion would take longer is a miss, counted

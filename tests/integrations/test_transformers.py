@@ -327,3 +327,57 @@ async def test_a_prefix_restores_through_blocks_that_are_not_consecutive(engine_
     assert cached == 3 * CHUNK_TOKENS
     assert_kv_equal(restored, computed_kv(model, tokens), 3 * CHUNK_TOKENS)
     assert torch.equal(out, full_recompute(model, tokens))
+
+
+async def test_a_request_waits_for_the_whole_prefix_a_concurrent_claimer_computes(
+    engine_id, model, layout
+):
+    kv, pool = open_kv(engine_id, layout, cpu_tokens=1024)
+    tokens = prompt(6 * CHUNK_TOKENS + 5)
+    async with kv:
+        # Windows of two chunks: the claim must reach past the window that missed.
+        prefix = PrefixCache(kv, layout, pool, model_config=model.config, window_chunks=2)
+        async with prefix.request(tokens, claim=True) as first:
+            assert first.cached_tokens == 0
+            second = asyncio.ensure_future(_claimed_serve(prefix, model, tokens))
+            await asyncio.sleep(0.05)
+            assert not second.done()  # waiting for the first request's chunks
+            with torch.no_grad():
+                model(**first.forward_inputs(model))
+            # The first window's chunks alone: the second request takes them and
+            # waits on for the rest, which the first request claimed as well.
+            assert await prefix.store(tokens[: 2 * CHUNK_TOKENS], first.cache, first.req_id) == 2
+            await asyncio.sleep(0.05)
+            assert not second.done()
+            assert await first.store() == 4
+        cached, out = await asyncio.wait_for(second, 30)
+    assert cached == 6 * CHUNK_TOKENS  # computed once, every chunk reused
+    assert torch.equal(out, full_recompute(model, tokens))
+
+
+async def _claimed_serve(prefix: PrefixCache, model, token_ids: list[int]):
+    async with prefix.request(token_ids, claim=True) as hit:
+        with torch.no_grad():
+            out = model.generate(
+                **hit.generate_inputs(model), max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+        await hit.store()
+    return hit.cached_tokens, out
+
+
+async def test_prefill_timings_set_the_cost_promotions_are_weighed_against(
+    engine_id, model, layout
+):
+    kv, pool = open_kv(engine_id, layout, cpu_tokens=1024)
+    async with kv:
+        prefix = PrefixCache(kv, layout, pool, model_config=model.config)
+        assert prefix.recompute_s_per_chunk is None
+        prefix.observe_prefill(CHUNK_TOKENS - 1, 5.0)  # less than a chunk: says little
+        assert prefix.recompute_s_per_chunk is None
+        prefix.observe_prefill(4 * CHUNK_TOKENS, 0.4)
+        assert prefix.recompute_s_per_chunk == pytest.approx(0.1)
+        prefix.observe_prefill(2 * CHUNK_TOKENS, 0.6)  # a slower machine moves it up
+        assert 0.1 < prefix.recompute_s_per_chunk < 0.3
+        assert kv.manager.host.recompute_s_per_chunk == prefix.recompute_s_per_chunk
+        with pytest.raises(ValueError, match="seconds > 0"):
+            prefix.observe_prefill(CHUNK_TOKENS, 0.0)
