@@ -10,6 +10,13 @@ user's whole history. The same prompts are served five ways:
 - ``primary_fs``: kvtier with the primary tier and an fs tier behind it;
 - ``fs``: the same kvtier, its primary tier emptied (``kv.reset()``) before every
   request, so every prefix comes back from the fs tier;
+- ``slow_tier``: like ``fs``, but the fs tier sits behind a link slow enough
+  (``--slow-factor`` times the model's own time per chunk) that loading a prefix
+  loses to recomputing it; kvtier learns both costs as it serves (the host's
+  prefills through ``PrefixCache.observe_prefill``, the tier's promotions from its
+  jobs) and answers those hits as misses. Its TTFT should be that of ``no_cache``;
+- ``fast_tier``: the same link at ``--fast-factor`` of the model's time per chunk:
+  slower than a disk but still faster than recomputing, so kvtier keeps loading;
 - ``in_process``: every earlier request's ``DynamicCache`` kept in the process and the
   longest shared prefix reused to the token: the ceiling a tiered cache approaches.
 
@@ -46,6 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 from serve import CHUNK_TOKENS, MODEL_NAME, QUANTIZATION, smollm2_gguf  # noqa: E402
+from throttled_tier import throttled_fs_config  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from kvtier import KVTier  # noqa: E402
@@ -59,7 +67,7 @@ from kvtier.integrations.transformers import (  # noqa: E402
 from kvtier.paged import PagedKVLayout  # noqa: E402
 
 DTYPE = torch.float32
-MODES = ("no_cache", "primary", "primary_fs", "fs", "in_process")
+MODES = ("no_cache", "primary", "primary_fs", "fs", "slow_tier", "fast_tier", "in_process")
 
 QUESTIONS = [
     ["Do you repair electric bikes?", "How long does that take?", "Can I wait in the shop?"],
@@ -89,6 +97,7 @@ class Served:
     """One request's figures."""
 
     ttft_s: float
+    prefill_s: float
     cached_tokens: int
     kvtier_s: float
     decode_tokens: int
@@ -150,15 +159,17 @@ class Runner:
         after_prefill: Callable[[Any], Awaitable[object]] | None = None,
     ) -> tuple[Served, Any]:
         """Prefill (TTFT ends there), ``after_prefill(cache)``, then decode."""
+        prefill_started = time.perf_counter()
         first = await asyncio.to_thread(self.prefill, ids, cache)
         ttft = time.perf_counter() - started
+        prefill_s = time.perf_counter() - prefill_started
         prompt_cache = _snapshot(cache)
         if after_prefill is not None:
             await after_prefill(cache)
         decode_started = time.perf_counter()
         output = await asyncio.to_thread(self.decode, first, cache)
         decode_s = time.perf_counter() - decode_started
-        served = Served(ttft, 0, 0.0, len(output) - 1, decode_s, output)
+        served = Served(ttft, prefill_s, 0, 0.0, len(output) - 1, decode_s, output)
         return served, prompt_cache
 
 
@@ -216,9 +227,15 @@ async def run_no_cache(
 
 
 def open_kvtier(
-    layout: PagedKVLayout, primary_tokens: int, fs_root: Path | None
+    layout: PagedKVLayout, primary_tokens: int, fs_root: Path | None, load_mb_s: float = 0.0
 ) -> tuple[KVTier, list[torch.Tensor]]:
-    tiers = [{"type": "fs", "root_dir": str(fs_root)}] if fs_root is not None else []
+    """A KVTier with the primary tier alone, or an fs tier under ``fs_root`` behind it
+    (behind a link of ``load_mb_s`` MB/s when that is given)."""
+    tiers: list[dict[str, Any]] = []
+    if fs_root is not None and load_mb_s:
+        tiers = [throttled_fs_config(str(fs_root), load_mb_s)]
+    elif fs_root is not None:
+        tiers = [{"type": "fs", "root_dir": str(fs_root)}]
     config = layout.config(
         f"bench-model-{uuid.uuid4().hex[:8]}",
         cpu_tokens=primary_tokens,
@@ -260,6 +277,8 @@ async def run_kvtier(
             served, _ = await runner.serve(ids, restored.cache, started, store)
             served.cached_tokens = restored.tokens
             served.kvtier_s = restored.kvtier_s
+            # What a host does after every prefill: the cost promotions are weighed against.
+            prefix.observe_prefill(len(ids) - restored.tokens, served.prefill_s)
         finally:
             kv.finish(req_id)
         mode.requests.append(served)
@@ -322,6 +341,30 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             prefix = PrefixCache(kv, layout, pool, model_config=model.config)
             modes["primary_fs"] = await run_kvtier(runner, prompts, kv, prefix, "primary_fs")
             modes["fs"] = await run_kvtier(runner, prompts, kv, prefix, "fs", reset_each=True)
+    # The model's own time per chunk, as its full prefills measured it: the links of the
+    # degraded tiers are set against it.
+    recompute_s = statistics.median(
+        r.prefill_s * CHUNK_TOKENS / len(ids)
+        for r, ids in zip(no_cache.requests, prompts, strict=True)
+    )
+    chunk_bytes = layout.kv_bytes_per_block * (CHUNK_TOKENS // layout.tokens_per_block)
+    links: dict[str, dict[str, Any]] = {}
+    for name, factor in (("slow_tier", args.slow_factor), ("fast_tier", args.fast_factor)):
+        load_mb_s = chunk_bytes / (factor * recompute_s) / 1e6
+        with tempfile.TemporaryDirectory(dir=args.root) as root:
+            kv, pool = open_kvtier(layout, args.primary_tokens, Path(root), load_mb_s)
+            async with kv:
+                prefix = PrefixCache(kv, layout, pool, model_config=model.config)
+                modes[name] = await run_kvtier(runner, prompts, kv, prefix, name, reset_each=True)
+                tier = next(
+                    v for k, v in kv.manager.diagnostics.tier_stats().items() if k[0] != "0"
+                )
+                links[name] = {
+                    "load_mb_s": round(load_mb_s, 2),
+                    "load_s_per_chunk_over_recompute": factor,
+                    "hits": tier["hits"],
+                    "skipped_slower_than_recompute": tier["skipped_slower_than_recompute"],
+                }
     modes["in_process"] = await run_in_process(runner, prompts)
 
     expected = [reference[u, t] for t in range(args.turns) for u in range(args.users)]
@@ -339,9 +382,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "speedup_primary": round(p50["no_cache"] / p50["primary"], 2),
         "kvtier_share": modes["primary"].kvtier_share(),
         "kvtier_share_fs": modes["fs"].kvtier_share(),
+        "recompute_ms_per_chunk": round(recompute_s * 1000, 1),
+        "slow_tier_ttft_over_no_cache": round(p50["slow_tier"] / p50["no_cache"], 3),
+        "fast_tier_ttft_over_no_cache": round(p50["fast_tier"] / p50["no_cache"], 3),
+        "degraded_tiers": links,
         "kvtier_ms_p50": {
             name: round(statistics.median(r.kvtier_s * 1000 for r in modes[name].requests), 1)
-            for name in ("primary", "primary_fs", "fs")
+            for name in ("primary", "primary_fs", "fs", "slow_tier", "fast_tier")
         },
         "decode_tokens_per_s": {name: mode.tokens_per_s() for name, mode in modes.items()},
         "continuations_equal": equal,
@@ -356,6 +403,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per answer")
     parser.add_argument(
         "--primary-tokens", type=int, default=8192, help="tokens the primary tier holds"
+    )
+    parser.add_argument(
+        "--slow-factor",
+        type=float,
+        default=3.0,
+        help="slow_tier: a chunk's load takes this many times its recompute (3)",
+    )
+    parser.add_argument(
+        "--fast-factor",
+        type=float,
+        default=0.4,
+        help="fast_tier: a chunk's load takes this fraction of its recompute (0.4)",
     )
     parser.add_argument("--root", type=Path, default=None, help="where the fs tier writes")
     parser.add_argument("--json", type=Path, default=None, help="write the report here too")
@@ -378,6 +437,11 @@ def main() -> None:
     print(
         f"speedup (fs) {report['speedup_fs']}x, kvtier share {report['kvtier_share']:.1%}, "
         f"continuations equal: {report['continuations_equal']}"
+    )
+    print(
+        f"TTFT over no_cache: slow tier {report['slow_tier_ttft_over_no_cache']}, "
+        f"fast tier {report['fast_tier_ttft_over_no_cache']} "
+        f"(recompute {report['recompute_ms_per_chunk']} ms per chunk)"
     )
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

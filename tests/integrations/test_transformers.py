@@ -17,6 +17,9 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from helpers import scripted
+from scripted_tier import ScriptedTier
+
 from kvtier import KVTier
 from kvtier.integrations.transformers import PrefixCache, cache_keyword, paged_layout
 from kvtier.paged import PagedKVLayout
@@ -56,8 +59,9 @@ def prompt(length: int, seed: int = 1) -> list[int]:
     return torch.randint(1, VOCAB, (length,), generator=gen).tolist()
 
 
-def open_kv(engine_id, layout, *, cpu_tokens, root_dir=None, pool_blocks=64):
-    tiers = [{"type": "fs", "root_dir": str(root_dir)}] if root_dir is not None else []
+def open_kv(engine_id, layout, *, cpu_tokens, root_dir=None, pool_blocks=64, tiers=None):
+    if tiers is None:
+        tiers = [{"type": "fs", "root_dir": str(root_dir)}] if root_dir is not None else []
     config = layout.config(
         engine_id,
         cpu_tokens=cpu_tokens,
@@ -381,3 +385,23 @@ async def test_prefill_timings_set_the_cost_promotions_are_weighed_against(
         assert kv.manager.host.recompute_s_per_chunk == prefix.recompute_s_per_chunk
         with pytest.raises(ValueError, match="seconds > 0"):
             prefix.observe_prefill(CHUNK_TOKENS, 0.0)
+
+
+async def test_a_lookup_never_waits_longer_than_recomputing_its_chunks(engine_id, model, layout):
+    kv, pool = open_kv(engine_id, layout, cpu_tokens=1024, tiers=[scripted("stuck", instant=True)])
+    tokens = prompt(4 * CHUNK_TOKENS + 1)
+    async with kv:
+        prefix = PrefixCache(kv, layout, pool, model_config=model.config, lookup_timeout_s=600)
+        await serve(prefix, model, tokens)
+        await kv.drain()
+        await kv.reset()  # the prefix is in the secondary tier only
+        tier = ScriptedTier.instances["stuck"]
+        tier.gate.clear()  # and its promotion never ends
+        try:
+            prefix.observe_prefill(4 * CHUNK_TOKENS, 0.2)  # 50 ms a chunk
+            # The promotion is started (the tier is not measured yet), but the request
+            # gives up on it after the 0.2 s recomputing would take, not 600 s.
+            cached, _ = await asyncio.wait_for(_claimed_serve(prefix, model, tokens), 60)
+        finally:
+            tier.gate.set()
+    assert cached == 0
