@@ -358,12 +358,13 @@ def model_section(root: str | None, quick: bool) -> tuple[str, str]:
         command += ["--users", "2", "--turns", "2", "--system-tokens", "512"]
     r = run_json(command)
     ttft = r["ttft_ms"]
-    modes = ["no_cache", "primary", "primary_fs", "fs", "in_process"]
+    modes = ["no_cache", "primary", "primary_fs", "fs", "slow_tier", "fast_tier", "in_process"]
     rows = [
         [
             TODAY,
             *(f"{ttft[m]['p50']:.0f} / {ttft[m]['p99']:.0f}" for m in modes),
             f"{r['speedup_fs']:.1f}x",
+            f"{r['slow_tier_ttft_over_no_cache']:.2f} / {r['fast_tier_ttft_over_no_cache']:.2f}",
             f"{r['kvtier_share']:.1%}",
             f"{r['kvtier_ms_p50']['primary']:.0f} / {r['kvtier_ms_p50']['fs']:.0f}",
             " / ".join(f"{r['decode_tokens_per_s'][m]:.1f}" for m in ("no_cache", "primary")),
@@ -374,6 +375,7 @@ def model_section(root: str | None, quick: bool) -> tuple[str, str]:
         "date",
         *(f"{m} TTFT ms p50 / p99" for m in modes),
         "speedup (fs)",
+        "TTFT / no cache: slow / fast tier",
         "kvtier share",
         "kvtier ms p50 primary / fs",
         "decode tok/s no cache / primary",

@@ -15,10 +15,9 @@ import sys
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-
 from helpers import scripted
 from scripted_tier import ScriptedTier
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvtier import KVTier
 from kvtier.integrations.transformers import PrefixCache, cache_keyword, paged_layout
