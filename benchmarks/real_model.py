@@ -52,6 +52,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 
+import concurrent_prompts  # noqa: E402
 from serve import CHUNK_TOKENS, MODEL_NAME, QUANTIZATION, smollm2_gguf  # noqa: E402
 from throttled_tier import throttled_fs_config  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
@@ -79,17 +80,10 @@ QUESTIONS = [
 
 def system_prompt(tokenizer: Any, tokens: int) -> str:
     """A shop handbook of about ``tokens`` tokens: numbered rules, none repeated."""
-    items = ["city bikes", "mountain bikes", "cargo bikes", "e-bikes", "tandems", "trailers"]
-    lines = ["You are the help desk of a bicycle shop. Follow the handbook below."]
-    rule = 0
-    while len(tokenizer.encode("\n".join(lines))) < tokens:
-        rule += 1
-        item = items[rule % len(items)]
-        lines.append(
-            f"Rule {rule}: for {item}, quote {10 + rule % 37} euros for check number "
-            f"{rule * 7 % 101}, and book it within {1 + rule % 5} days."
-        )
-    return "\n".join(lines)
+    rules = 0
+    while len(tokenizer.encode(concurrent_prompts.handbook(rules))) < tokens:
+        rules += 1
+    return concurrent_prompts.handbook(rules)
 
 
 @dataclass
@@ -366,6 +360,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     "skipped_slower_than_recompute": tier["skipped_slower_than_recompute"],
                 }
     modes["in_process"] = await run_in_process(runner, prompts)
+    concurrent = await run_concurrent(runner, args) if args.concurrent_requests else None
 
     expected = [reference[u, t] for t in range(args.turns) for u in range(args.users)]
     equal = all([r.output for r in mode.requests] == expected for name, mode in modes.items())
@@ -391,8 +386,40 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for name in ("primary", "primary_fs", "fs", "slow_tier", "fast_tier")
         },
         "decode_tokens_per_s": {name: mode.tokens_per_s() for name, mode in modes.items()},
-        "continuations_equal": equal,
+        "continuations_equal": equal and (concurrent is None or concurrent["answers_equal"]),
+        "concurrent": concurrent,
     }
+
+
+async def run_concurrent(runner: Runner, args: argparse.Namespace) -> dict[str, Any]:
+    """:mod:`concurrent_prompts` through examples/serve.py, every answer of its first
+    round compared with a full recompute of the same prompt here."""
+    settings = concurrent_prompts.parse_args(
+        ["--requests", str(args.concurrent_requests), "--max-tokens", str(args.concurrent_tokens)]
+        + ["--rules", str(args.concurrent_rules)]
+        + (["--root", str(args.root)] if args.root else [])
+    )
+    report = await concurrent_prompts.measure(settings)
+    reference = Runner(runner.model, runner.tokenizer, args.concurrent_tokens)
+    expected = []
+    for question in report.pop("questions"):
+        messages = concurrent_prompts.messages(report["system"], question)
+        ids = runner.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        served, _ = await reference.serve(
+            [int(t) for t in ids], DynamicCache(config=runner.model.config), time.perf_counter()
+        )
+        expected.append(runner.tokenizer.decode(served.output, skip_special_tokens=True))
+    del report["system"]
+    report["answers_equal"] = report.pop("answers") == expected
+    print(
+        f"  concurrent: {report['requests']} requests at once, new prompt "
+        f"{report['new_prompt_s']} s, cached {report['cached_prompt_s']} s, "
+        f"{report['requests_reusing_the_prompt']} reused it",
+        flush=True,
+    )
+    return report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -415,6 +442,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.4,
         help="fast_tier: a chunk's load takes this fraction of its recompute (0.4)",
+    )
+    parser.add_argument(
+        "--concurrent-requests",
+        type=int,
+        default=8,
+        help="requests sent at once to examples/serve.py with one new system prompt "
+        "(8; 0 skips it)",
+    )
+    parser.add_argument(
+        "--concurrent-tokens", type=int, default=64, help="tokens per answer there (64)"
+    )
+    parser.add_argument(
+        "--concurrent-rules",
+        type=int,
+        default=66,
+        help="rules in that system prompt (66: about 2k tokens)",
     )
     parser.add_argument("--root", type=Path, default=None, help="where the fs tier writes")
     parser.add_argument("--json", type=Path, default=None, help="write the report here too")

@@ -18,7 +18,8 @@ def test_the_real_model_benchmark_reports_every_mode_and_equal_continuations(tmp
     out = tmp_path / "report.json"
     command = [sys.executable, str(SCRIPT), "--users", "2", "--turns", "1"]
     command += ["--system-tokens", "256", "--new-tokens", "4", "--primary-tokens", "1024"]
-    command += ["--root", str(tmp_path), "--json", str(out)]
+    command += ["--concurrent-requests", "3", "--concurrent-rules", "10"]
+    command += ["--concurrent-tokens", "4", "--root", str(tmp_path), "--json", str(out)]
     subprocess.run(command, check=True, capture_output=True, timeout=800)
     report = json.loads(out.read_text())
     assert set(report["ttft_ms"]) >= {
@@ -38,3 +39,7 @@ def test_the_real_model_benchmark_reports_every_mode_and_equal_continuations(tmp
     assert report["shared_prefix_tokens"] >= 256
     assert 0 < report["kvtier_share"] < 1
     assert report["speedup_fs"] > 0
+    # Sent at once with a new system prompt, the first computes it, the others reuse it.
+    concurrent = report["concurrent"]
+    assert concurrent["requests_reusing_the_prompt"] >= 2
+    assert concurrent["answers_equal"] is True
