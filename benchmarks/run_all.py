@@ -365,6 +365,7 @@ def model_section(root: str | None, quick: bool) -> tuple[str, str]:
             *(f"{ttft[m]['p50']:.0f} / {ttft[m]['p99']:.0f}" for m in modes),
             f"{r['speedup_fs']:.1f}x",
             f"{r['slow_tier_ttft_over_no_cache']:.2f} / {r['fast_tier_ttft_over_no_cache']:.2f}",
+            at_once(r["concurrent"]),
             f"{r['kvtier_share']:.1%}",
             f"{r['kvtier_ms_p50']['primary']:.0f} / {r['kvtier_ms_p50']['fs']:.0f}",
             " / ".join(f"{r['decode_tokens_per_s'][m]:.1f}" for m in ("no_cache", "primary")),
@@ -376,6 +377,7 @@ def model_section(root: str | None, quick: bool) -> tuple[str, str]:
         *(f"{m} TTFT ms p50 / p99" for m in modes),
         "speedup (fs)",
         "TTFT / no cache: slow / fast tier",
+        "at once, new prompt: s / cached s (reused)",
         "kvtier share",
         "kvtier ms p50 primary / fs",
         "decode tok/s no cache / primary",
@@ -387,6 +389,17 @@ def model_section(root: str | None, quick: bool) -> tuple[str, str]:
         f"{r['prompt_tokens_max']} tokens)\n\n" + table(header, rows)
     )
     return "real-model", text
+
+
+def at_once(concurrent: dict | None) -> str:
+    """The concurrent-requests figures of a real_model report, as one cell."""
+    if concurrent is None:
+        return "-"
+    return (
+        f"{concurrent['new_prompt_s']:.1f} / {concurrent['cached_prompt_s']:.1f} = "
+        f"{concurrent['new_over_cached']:.2f}x ({concurrent['requests_reusing_the_prompt']} of "
+        f"{concurrent['requests']})"
+    )
 
 
 def display(command: list[str]) -> str:
