@@ -115,6 +115,7 @@ def _tier_entry(
         "lookup_failures": int(counts.get("lookup_failures", 0.0)),
         "cascade_failures": int(counts.get("cascade_failures", 0.0)),
         "promotion_failures": int(counts.get("promotion_failures", 0.0)),
+        "skipped_slower_than_recompute": int(counts.get("skipped_slower_than_recompute", 0.0)),
     }
 
 
@@ -307,6 +308,7 @@ _TIER_ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("promotion ms p50 / p99", _promotion),
     ("failed cascades / promotions", _failed_jobs),
     ("cascades dropped", _count("stores_dropped")),
+    ("hits left to recompute", _count("skipped_slower_than_recompute")),
     ("corrupt chunks discarded", _count("integrity_failures")),
 )
 
@@ -322,6 +324,7 @@ _SUMMED = (
     "lookup_failures",
     "cascade_failures",
     "promotion_failures",
+    "skipped_slower_than_recompute",
 )
 
 

@@ -466,3 +466,16 @@ def test_a_primary_tier_dev_shm_cannot_hold_is_refused_naming_primary_mib():
         result, f"kvtier: error: --primary-mib {too_big}: /dev/shm has ", "lower --primary-mib"
     )
     assert "cpu_bytes_to_use" not in result.stderr
+
+
+def test_hits_slower_than_recomputing_are_skipped_and_reported(tmp_path):
+    config = tmp_path / "extra.json"
+    # Recomputing a chunk "costs" a nanosecond: once the fs tier has finished a
+    # promotion, every later hit there would arrive later, and is a miss.
+    config.write_text(json.dumps({"recompute_s_per_chunk": 1e-9}))
+    report = run_bench(tmp_path, "--config", str(config), "--workload", "cold-warm")
+    fs = report["tiers"][1]
+    assert fs["skipped_slower_than_recompute"] > 0
+    assert report["requests"]["wrong_chunks"] == 0
+    plain = run_bench(tmp_path, "--workload", "cold-warm")
+    assert plain["tiers"][1]["skipped_slower_than_recompute"] == 0
