@@ -543,6 +543,8 @@ class Decoder:
         self.computed = hit.cached_tokens
         self.output: list[int] = []
         self.finish_reason: str | None = None
+        #: Seconds the forward passes over the prompt's tokens took.
+        self.prefill_s = 0.0
         self.detokenizer = Detokenizer(tokenizer)
         self.generator = torch.Generator()
         if sampling.seed is None:
@@ -560,6 +562,7 @@ class Decoder:
             piece = self.prompt[self.computed : end]
         else:
             piece = self.output[-1:]
+        started = time.perf_counter()
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([piece], dtype=torch.long),
@@ -567,6 +570,8 @@ class Decoder:
                 use_cache=True,
                 logits_to_keep=1,
             )
+        if not self.output:
+            self.prefill_s += time.perf_counter() - started
         self.computed += len(piece)
         if self.computed < len(self.prompt):
             return ""
@@ -746,6 +751,12 @@ class Served:
                         completion.text.append(text)
                         await on_text(text)
                 completion.finish_reason = decoder.finish_reason
+                if decoder.output:
+                    # What recomputing costs this model on this machine: kvtier weighs
+                    # every load from a secondary tier against it.
+                    self.prefix.observe_prefill(
+                        len(token_ids) - hit.cached_tokens, decoder.prefill_s
+                    )
                 # The prompt's chunks are worth keeping even for a client that left;
                 # they are stored before the next request's lookup, which may want
                 # them. A shutdown skips it: kvtier is about to close.
