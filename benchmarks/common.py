@@ -27,7 +27,9 @@ import torch
 from kvtier import ConfigError, LookupResult, ReqContext, TieringOffloadingManager
 from kvtier.bench.physical import DiskLimits, drop_page_cache, measure_disk
 from kvtier.bench.probe import LagProbe, percentile
+from kvtier.bench.tiers import raw_disk_depths
 from kvtier.keys import OffloadKey
+from kvtier.tiers.fs import FileSystemTier
 
 __all__ = [
     "GIB",
@@ -297,19 +299,26 @@ class FsTierShape:
         fs = manager.tiers[0]
         self.label = manager.diagnostics.tier_labels[0]
         self.direct_write = bool(getattr(fs, "o_direct", False))
-        settings = getattr(fs, "settings", None)
-        self.read_depth: int = getattr(settings, "read_depth", 1)
-        self.write_depth: int = getattr(settings, "write_depth", 1)
+        self._fs = fs
+        self._settings = getattr(fs, "settings", None)
+        self._depths = raw_disk_depths(fs) if isinstance(fs, FileSystemTier) else (1,)
+
+    @property
+    def read_depth(self) -> int | str:
+        """The read depth for the report: fixed, or where the adaptive one ended."""
+        return self._depth("read_depth")
+
+    @property
+    def write_depth(self) -> int | str:
+        return self._depth("write_depth")
+
+    def _depth(self, name: str) -> int | str:
+        now: int = getattr(self._fs, name, 1)
+        return now if isinstance(getattr(self._settings, name, 1), int) else f"auto, ended {now}"
 
     def measure(self, directory: Path, count: int, chunk: int) -> DiskLimits:
         """The raw disk limit (``kvtier bench``'s) for ``count`` chunks of this tier."""
-        return measure_disk(
-            directory,
-            count,
-            chunk,
-            depths=(self.read_depth, self.write_depth),
-            direct=self.direct_write,
-        )
+        return measure_disk(directory, count, chunk, depths=self._depths, direct=self.direct_write)
 
 
 def raw_disk(before: DiskLimits, after: DiskLimits) -> dict[str, float]:

@@ -46,6 +46,7 @@ from kvtier import (
     make_offload_key,
 )
 from kvtier.bench.physical import drop_page_cache, measure_disk
+from kvtier.bench.tiers import raw_disk_depths
 from kvtier.tiers.fs import FileSystemTier
 
 MIB = 1 << 20
@@ -134,7 +135,7 @@ async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
             root / f"raw{round_index}",
             count,
             chunk,
-            depths=(tier.settings.read_depth, tier.settings.write_depth),
+            depths=raw_disk_depths(tier),
             direct=tier.o_direct,
         )
         measured = {
@@ -162,8 +163,9 @@ async def fs_rounds(args: argparse.Namespace, root: Path) -> dict[str, float]:
             "loop_lag_p99_ms": percentile(probe.lags, 0.99) * 1e3,
             "integrity_failures": integrity,
             "o_direct": float(tier.o_direct),
-            "read_depth": float(tier.settings.read_depth),
-            "write_depth": float(tier.settings.write_depth),
+            # Fixed, or where the adaptive depth ended.
+            "read_depth": float(tier.read_depth),
+            "write_depth": float(tier.write_depth),
         }
     )
     return figures

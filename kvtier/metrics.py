@@ -36,6 +36,7 @@ __all__ = [
     "MetricsRecorder",
     "Names",
     "cpu_metric_definitions",
+    "tier_io_metric_definitions",
     "tiering_metric_definitions",
 ]
 
@@ -98,6 +99,9 @@ class Names:
     SKIPPED_SLOWER_THAN_RECOMPUTE = "kvtier_tiering_skipped_slower_than_recompute"
     QUARANTINED_SLOTS = "kvtier_tiering_quarantined_slots"
     LATE_COMPLETIONS = "kvtier_tiering_late_completions"
+
+    # Secondary tiers' own I/O, labelled by tier and direction ("read", "write")
+    TIER_IO_DEPTH = "kvtier_tier_io_depth"
 
 
 def cpu_metric_definitions(store_threshold: int) -> dict[str, MetricDefinition]:
@@ -215,6 +219,18 @@ def tiering_metric_definitions() -> dict[str, MetricDefinition]:
             "Stored chunks that failed verification (checksum, length, key or namespace) "
             "and were discarded instead of served, by tier.",
             _TIER,
+        ),
+    }
+
+
+def tier_io_metric_definitions() -> dict[str, MetricDefinition]:
+    """Metrics of a tier whose I/O depth is a :class:`~kvtier.tiers._depth.IoDepth`:
+    a tier class adds them to its own ``build_metric_definitions``."""
+    return {
+        Names.TIER_IO_DEPTH: GaugeDef(
+            "Operations a tier keeps in flight at once, by tier and direction (read, "
+            "write): a fixed depth, or the one its depth controller runs at now.",
+            ("tier", "direction"),
         ),
     }
 

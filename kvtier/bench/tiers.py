@@ -52,9 +52,11 @@ async def _fs_directory(settings: BenchSettings, workspace: Path) -> AsyncIterat
 
 
 def raw_disk_depths(fs: FileSystemTier) -> tuple[int, ...]:
-    """The thread counts the raw disk limit is the best of: one, and each depth the
-    tier itself reads or writes at (``read_depth``, ``write_depth``)."""
-    return tuple(sorted({1, fs.settings.read_depth, fs.settings.write_depth}))
+    """The thread counts the raw disk limit is the best of: one, and the most the tier
+    itself reads or writes at (a fixed ``read_depth`` / ``write_depth``, else
+    ``max_read_depth`` / ``max_write_depth``)."""
+    settings = fs.settings
+    return tuple(sorted({1, settings.read_range.maximum, settings.write_range.maximum}))
 
 
 async def _raw_disk(tier: SecondaryTier, run: LimitContext) -> dict[Direction, float]:

@@ -26,9 +26,9 @@ from kvtier.policies.factory import CachePolicyFactory
 from kvtier.tiering.backpressure import DEFAULT_MARKS, BackpressureSettings
 from kvtier.tiering.manager import TierOptions
 from kvtier.tiering.runner import RunnerSettings
+from kvtier.tiers._depth import DEFAULT_START_DEPTH
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.factory import SecondaryTierFactory
-from kvtier.tiers.fs import DEFAULT_READ_DEPTH
 
 __all__ = [
     "DEFAULT_EVICTION_POLICY",
@@ -41,13 +41,13 @@ __all__ = [
 DEFAULT_EVICTION_POLICY = "lru"
 
 # Chunks a local tier (fs) promotes at once before further promotion jobs wait: twice
-# the fs tier's default read depth. A job is striped over all of the tier's read
+# the depth the fs tier's reads start at. A job is shared by all of the tier's read
 # threads, so one 16-chunk job keeps the disk as busy as several, and jobs that share
 # the disk all finish late (benchmarks/serving_path.py: at 1 GiB, one job at a time
 # read at 1.07 of raw with job times p50 43 ms, two at a time at 0.85 with p50 85 ms);
 # short jobs still run several at once. Remote tiers wait on round trips rather than a
 # device: they run as many jobs as max_concurrent_jobs allows.
-LOCAL_PROMOTION_CHUNKS = 2 * DEFAULT_READ_DEPTH
+LOCAL_PROMOTION_CHUNKS = 2 * DEFAULT_START_DEPTH
 
 _RUNNER_DEFAULTS = RunnerSettings()
 

@@ -2,8 +2,17 @@
 
 A secondary-tier hit allocates its slot at once, so a key is promoted once, and queues
 the key for its (tier, request). The end of the step seals the step's promotions; they
-then start as jobs, one per (tier, request), oldest hit first, while the tier's chunk
-budget (``max_promotion_chunks``) allows, and each finished job lets the next ones go.
+then start as jobs, one per (tier, request), while the tier's chunk budget
+(``max_promotion_chunks``) allows, and each finished job lets the next ones go.
+
+The queue serves requests in their turn: the order in which they first queued a
+promotion, kept until they finish. A request's later hits (the rest of its prompt,
+found a step later) join it in its place instead of queueing behind the requests that
+came since, and a request's chunks all start before the next request's. So the
+request admitted first finishes first, and a request waits for the requests before it,
+not for the whole queue: with every request's jobs behind everyone's, each request
+would wait about as long as the slowest.
+
 This module is the only one that changes the promotion queue. Everything here runs
 under the manager's lock.
 """
@@ -36,6 +45,8 @@ class _Queued:
     keys: list[OffloadKey] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     since: float = 0.0
+    #: The request's turn: lower is served first.
+    turn: int = 0
 
 
 class _TierQueue:
@@ -46,7 +57,7 @@ class _TierQueue:
     def __init__(self, budget: int | None) -> None:
         self.budget = budget
         self.step: dict[str, _Queued] = {}
-        #: Oldest first.
+        #: In turn order.
         self.waiting: dict[str, _Queued] = {}
         #: Chunks in ``step`` and ``waiting`` together.
         self.chunks = 0
@@ -57,17 +68,25 @@ class _TierQueue:
         return (len(step.keys) if step else 0) + (len(waiting.keys) if waiting else 0)
 
     def seal(self) -> None:
+        """The step's promotions join the waiting ones, each request's in its turn."""
+        waiting = self.waiting
+        last = next(reversed(waiting.values())).turn if waiting else -1
+        in_order = True
         for req_id, queued in self.step.items():
-            earlier = self.waiting.get(req_id)
+            earlier = waiting.get(req_id)
             if earlier is None:
-                self.waiting[req_id] = queued
+                waiting[req_id] = queued
+                in_order = in_order and queued.turn > last
+                last = max(last, queued.turn)
             else:
                 earlier.keys.extend(queued.keys)
                 earlier.slots.extend(queued.slots)
         self.step.clear()
+        if not in_order:  # an earlier request came back after later ones queued
+            self.waiting = dict(sorted(waiting.items(), key=lambda item: item[1].turn))
 
     def take(self, in_flight_chunks: int) -> list[tuple[str, _Queued]]:
-        """The waiting promotions that may start now, oldest first: while fewer than
+        """The waiting promotions that may start now, in turn order: while fewer than
         ``budget`` chunks are being promoted, and always one if none is."""
         if self.budget is None:
             taken = list(self.waiting.items())
@@ -103,6 +122,9 @@ class Promotions:
         self._costs = costs
         self._lookups = lookups
         self._tier_counts = tier_counts
+        #: Each request's turn, from its first queued promotion until it finishes.
+        self._turns: dict[str, int] = {}
+        self._next_turn = 0
 
     def resolve(
         self, key: OffloadKey, req_id: str, protected: Collection[OffloadKey] | None
@@ -159,7 +181,7 @@ class Promotions:
         step = self._queues[tier].step
         queued = step.get(req_id)
         if queued is None:
-            queued = step[req_id] = _Queued(since=time.perf_counter())
+            queued = step[req_id] = _Queued(since=time.perf_counter(), turn=self._turn(req_id))
         queued.keys.append(key)
         queued.slots.append(out.store_spec.chunk_ids[0])
         self._queues[tier].chunks += 1
@@ -181,6 +203,7 @@ class Promotions:
 
     def drop_request(self, req_id: str) -> None:
         """The request finished: its promotions not started yet free their slots."""
+        self._turns.pop(req_id, None)
         for queue in self._queues:
             for queued in (queue.step.pop(req_id, None), queue.waiting.pop(req_id, None)):
                 if queued is not None:
@@ -189,12 +212,20 @@ class Promotions:
 
     def drop_all(self) -> None:
         """Drop every promotion not sent yet: their slots were never written."""
+        self._turns.clear()
         for queue in self._queues:
             for queued in (*queue.step.values(), *queue.waiting.values()):
                 self._primary.complete_write(queued.keys, False)
             queue.step.clear()
             queue.waiting.clear()
             queue.chunks = 0
+
+    def _turn(self, req_id: str) -> int:
+        turn = self._turns.get(req_id)
+        if turn is None:
+            turn = self._turns[req_id] = self._next_turn
+            self._next_turn += 1
+        return turn
 
     def _start(self, tier: int, now: float) -> list[TransferJob]:
         jobs = self._jobs

@@ -40,7 +40,7 @@ class RunnerSettings:
     max_concurrent_jobs: int = 8
     #: Promotion jobs of this tier start while fewer chunks than this are being promoted
     #: (one job may always start); the others wait in the manager, their slots
-    #: allocated, in the order their requests hit. None: no limit but
+    #: allocated, request by request in the order each first hit. None: no limit but
     #: ``max_concurrent_jobs``.
     max_promotion_chunks: int | None = None
     #: A job still running after this long is reported failed (a miss).

@@ -2,23 +2,25 @@
 
 The fs tier moves each chunk with one ``os.preadv`` / ``os.pwritev`` straight between
 its file and the region's slot (DESIGN section 11: no aiofiles on the data path, no
-``bytes`` per read), a job's chunks spread over at most ``depth`` threads.
+``bytes`` per read), a job's chunks shared by as many threads as the direction's
+:class:`~kvtier.tiers._depth.IoDepth` allows.
 """
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
 from kvtier.format import HEADER_BYTES
+from kvtier.tiers._depth import IoDepth
 
 __all__ = ["advance", "aligned_header", "in_threads", "read_all", "size_of"]
 
@@ -27,42 +29,63 @@ _Result = TypeVar("_Result")
 
 
 async def in_threads(
-    work: Callable[[list[_Item]], list[_Result]],
+    work: Callable[[_Item], _Result],
     items: list[_Item],
-    depth: int,
-    limiter: anyio.CapacityLimiter | None,
+    lane: IoDepth,
+    item_bytes: int,
 ) -> list[_Result]:
-    """``work`` on ``items`` cut into at most ``depth`` contiguous runs, each run in a
-    thread of ``limiter``; every result, in order.
+    """``work`` on every item, from threads of ``lane``'s limiter; the results, in order.
 
-    A thread that moves several chunks back to back keeps the disk busy without a trip
-    through the event loop between chunks. Every thread call has ended when this
-    returns or raises, cancelled included: the runs are tasks of an anyio task group,
-    whose cancellation waits for each ``to_thread.run_sync`` call to return (asyncio's
-    ``gather`` would cancel the awaiting tasks and leave their threads writing into
-    slots that the job no longer owns).
+    Each thread takes the next item that no other has taken until none is left: one
+    that moves several chunks back to back keeps the disk busy without a trip through
+    the event loop between chunks, and a slow file holds up only its own thread. The
+    batch asks for :meth:`IoDepth.workers` threads; those beyond the depth wait in the
+    limiter and join when the depth rises. Every operation is timed into the lane's
+    meter (``item_bytes`` each), and each thread's return lets the lane decide its
+    depth.
+
+    Every thread call has ended when this returns or raises, cancelled included: the
+    calls are tasks of an anyio task group, whose cancellation waits for each
+    ``to_thread.run_sync`` call to return (asyncio's ``gather`` would cancel the
+    awaiting tasks and leave their threads writing into slots that the job no longer
+    owns). The first exception ``work`` raised is raised once all have ended.
     """
     if not items:
         return []
-    count = min(depth, len(items))
-    size, extra = divmod(len(items), count)
-    bounds = [i * size + min(i, extra) for i in range(count + 1)]
-    runs: list[list[_Result] | BaseException] = [[] for _ in range(count)]
+    pending = deque(range(len(items)))
+    results: list[Any] = [None] * len(items)
+    failures: list[Exception] = []
+    meter = lane.meter
+    clock = meter.clock
 
-    async def run(index: int, part: list[_Item]) -> None:
+    def drain() -> None:
+        meter.run_started()
         try:
-            runs[index] = await anyio.to_thread.run_sync(work, part, limiter=limiter)
-        except Exception as exc:  # the first failure is raised below, after every run
-            runs[index] = exc
+            while True:
+                try:
+                    index = pending.popleft()  # deques pop atomically across threads
+                except IndexError:
+                    return
+                started = clock()
+                results[index] = work(items[index])
+                meter.io_done(item_bytes, clock() - started)
+        finally:
+            meter.run_ended()
+
+    async def worker() -> None:
+        if not pending:  # the others took every item while this one waited to start
+            return
+        try:
+            await anyio.to_thread.run_sync(drain, limiter=lane.limiter)
+        except Exception as exc:  # raised below, after every thread
+            failures.append(exc)
+        lane.poll()
 
     async with anyio.create_task_group() as group:
-        for index, (start, end) in enumerate(itertools.pairwise(bounds)):
-            group.start_soon(run, index, items[start:end])
-    results: list[_Result] = []
-    for outcome in runs:
-        if isinstance(outcome, BaseException):
-            raise outcome
-        results.extend(outcome)
+        for _ in range(lane.workers(len(items))):
+            group.start_soon(worker)
+    if failures:
+        raise failures[0]
     return results
 
 

@@ -14,9 +14,10 @@ failed load, removed and counted, never served.
 
 Data path: ``os.pwritev`` / ``os.preadv`` straight between the file and the region's
 memoryview (one copy, no ``bytes`` per chunk), on a small dedicated thread limiter per
-direction. aiofiles would add two thread hops and a new ``bytes`` per read; it measured
-lag spikes of up to 40 ms here, so it serves only the metadata side (directories,
-``namespace.json``).
+direction whose size (the queue depth) follows what the disk delivers, unless a fixed
+depth is set (:mod:`kvtier.tiers._depth`). aiofiles would add two thread hops and a new
+``bytes`` per read; it measured lag spikes of up to 40 ms here, so it serves only the
+metadata side (directories, ``namespace.json``).
 
 An in-memory index (key -> size, least recently used first) answers lookups at once
 and drives ``capacity_bytes`` eviction. It is rebuilt at start by a background scan
@@ -62,10 +63,18 @@ from kvtier.format import (
     temp_name,
 )
 from kvtier.keys import OffloadKey
-from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
+from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition, tier_io_metric_definitions
 from kvtier.records import EventLog, Medium, OffloadingEvent
 from kvtier.resources import TaskSet
 from kvtier.tiers._corrupt import CorruptChunks
+from kvtier.tiers._depth import (
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_MIN_DEPTH,
+    DEFAULT_START_DEPTH,
+    DepthRange,
+    IoDepth,
+    depth_gauge,
+)
 from kvtier.tiers._fileio import advance, aligned_header, in_threads, read_all, size_of
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 
@@ -76,14 +85,9 @@ logger = logging.getLogger(__name__)
 USED_BYTES = "kvtier_fs_used_bytes"
 EVICTED_CHUNKS = "kvtier_fs_evicted_chunks"
 
-# Queue depths (concurrent chunk I/Os) measured with benchmarks/fs_tier.py on the
-# project's VM disk, 2 MiB chunks: cold reads of O_DIRECT-written files went from 0.80
-# of raw preadv at depth 2 to 0.90-0.95 at depth 4; O_DIRECT writes reach 0.93-0.98 of
-# raw pwritev at depth 4. Other disks differ: both are settings.
-DEFAULT_READ_DEPTH = 4
-DEFAULT_WRITE_DEPTH = 4
-# Far beyond any useful depth (the measured optimum is 4): a typo, not a tuning.
+# Far beyond any useful depth (the measured optima were 4 to 16): a typo, not a tuning.
 _MAX_DEPTH = 256
+AUTO: Literal["auto"] = "auto"
 # Temporary files older than this belong to writers that died; younger ones may be live.
 STALE_TMP_S = 3600.0
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -100,11 +104,20 @@ class FsSettings:
     #: Bytes of chunk files the tier keeps; beyond it the least recently used files are
     #: removed. None (the default): no limit but the filesystem's.
     capacity_bytes: int | None = None
-    #: Chunk files read at once (4). ``io_concurrency`` sets this and ``write_depth``
-    #: together; either one given on its own wins over it.
-    read_depth: int = DEFAULT_READ_DEPTH
-    #: Chunk files written at once (4); see ``read_depth``.
-    write_depth: int = DEFAULT_WRITE_DEPTH
+    #: Chunk files read at once: ``"auto"`` (the default) adapts the depth to what the
+    #: disk delivers, starting at 4, between ``min_depth`` and ``max_read_depth``; a
+    #: number fixes it. ``io_concurrency`` sets this and ``write_depth`` together;
+    #: either one given on its own wins over it.
+    read_depth: int | Literal["auto"] = AUTO
+    #: Chunk files written at once; see ``read_depth`` (bounded by ``max_write_depth``).
+    write_depth: int | Literal["auto"] = AUTO
+    #: The least an adaptive depth goes down to (2); a fixed depth ignores it.
+    min_depth: int = DEFAULT_MIN_DEPTH
+    #: The most an adaptive read depth goes up to (16, vLLM's read threads); a fixed
+    #: one ignores it.
+    max_read_depth: int = DEFAULT_MAX_DEPTH
+    #: The most an adaptive write depth goes up to (16, vLLM's write threads).
+    max_write_depth: int = DEFAULT_MAX_DEPTH
     #: Write and read without the page cache: ``"auto"`` where the filesystem supports
     #: it (probed at start), true to require it, false never.
     o_direct: bool | Literal["auto"] = "auto"
@@ -122,13 +135,12 @@ class FsSettings:
         reader = ConfigReader(params, path)
         root_dir = Path(reader.string("root_dir"))
         capacity_bytes = reader.integer("capacity_bytes", None, minimum=1)
-        depth = reader.integer("io_concurrency", None, minimum=1, maximum=_MAX_DEPTH)
-        read_depth = reader.integer(
-            "read_depth", depth or DEFAULT_READ_DEPTH, minimum=1, maximum=_MAX_DEPTH
-        )
-        write_depth = reader.integer(
-            "write_depth", depth or DEFAULT_WRITE_DEPTH, minimum=1, maximum=_MAX_DEPTH
-        )
+        both = _depth(reader, "io_concurrency", AUTO)
+        read_depth = _depth(reader, "read_depth", both)
+        write_depth = _depth(reader, "write_depth", both)
+        min_depth = reader.integer("min_depth", DEFAULT_MIN_DEPTH, minimum=1, maximum=_MAX_DEPTH)
+        max_read_depth = _bound(reader, "max_read_depth", min_depth)
+        max_write_depth = _bound(reader, "max_write_depth", min_depth)
         o_direct = reader.raw("o_direct", "auto")
         if o_direct not in ("auto", True, False):
             raise ConfigError(reader.path_of("o_direct"), 'expected "auto", true or false')
@@ -140,10 +152,52 @@ class FsSettings:
             capacity_bytes=capacity_bytes,
             read_depth=read_depth,
             write_depth=write_depth,
+            min_depth=min_depth,
+            max_read_depth=max_read_depth,
+            max_write_depth=max_write_depth,
             o_direct=o_direct,
             fsync=fsync,
             shared=shared,
         )
+
+    @property
+    def read_range(self) -> DepthRange:
+        """The read depths the tier may run at."""
+        return _range(self.read_depth, self.min_depth, self.max_read_depth)
+
+    @property
+    def write_range(self) -> DepthRange:
+        """The write depths the tier may run at."""
+        return _range(self.write_depth, self.min_depth, self.max_write_depth)
+
+
+def _depth(reader: ConfigReader, key: str, default: int | Literal["auto"]) -> int | Literal["auto"]:
+    """A depth setting: ``"auto"`` or a number of operations in flight."""
+    value = reader.raw(key)
+    if value is None:
+        return default
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, str):
+        raise ConfigError(reader.path_of(key), f'expected "auto" or an integer, got {value!r}')
+    depth: int = reader.integer(key, default, minimum=1, maximum=_MAX_DEPTH)
+    return depth
+
+
+def _bound(reader: ConfigReader, key: str, min_depth: int) -> int:
+    """``max_read_depth`` / ``max_write_depth``, no lower than ``min_depth``."""
+    value: int = reader.integer(key, DEFAULT_MAX_DEPTH, minimum=1, maximum=_MAX_DEPTH)
+    if value < min_depth:
+        raise ConfigError(
+            reader.path_of(key), f"expected a value >= min_depth ({min_depth}), got {value}"
+        )
+    return value
+
+
+def _range(depth: int | str, minimum: int, maximum: int) -> DepthRange:
+    if isinstance(depth, int):
+        return DepthRange.fixed(depth)
+    return DepthRange.adaptive(minimum, maximum, DEFAULT_START_DEPTH)
 
 
 class FileSystemTier(SecondaryTier):
@@ -170,9 +224,10 @@ class FileSystemTier(SecondaryTier):
         self._events = EventLog(ctx.enable_events)
         self._log = ThrottledLog(logger, f"tier {ctx.tier_name}")
         self._corrupt = CorruptChunks(ctx, self._log, self.path_of)
-        # Both need a running event loop, so start() creates them.
-        self._readers: anyio.CapacityLimiter | None = None
-        self._writers: anyio.CapacityLimiter | None = None
+        # Their limiters need a running event loop: start() creates them.
+        metrics, name = ctx.metrics, ctx.tier_name
+        self._reads = IoDepth(self.settings.read_range, depth_gauge(metrics, name, "read"))
+        self._writes = IoDepth(self.settings.write_range, depth_gauge(metrics, name, "write"))
         self._tasks = TaskSet(f"tier {ctx.tier_name}")
         self._scan_done = asyncio.Event()
 
@@ -186,13 +241,14 @@ class FileSystemTier(SecondaryTier):
                 "Chunk files the fs tier removed to stay within capacity_bytes, by tier.",
                 ("tier",),
             ),
+            **tier_io_metric_definitions(),
         }
 
     # -------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        self._readers = anyio.CapacityLimiter(self.settings.read_depth)
-        self._writers = anyio.CapacityLimiter(self.settings.write_depth)
+        self._reads.start()
+        self._writes.start()
         await self._make_directory()
         await self._check_namespace_file()
         self.o_direct = await self._probe_o_direct()
@@ -334,7 +390,7 @@ class FileSystemTier(SecondaryTier):
         return False if self._scanned and not self.settings.shared else None
 
     async def lookup(self, keys: Sequence[OffloadKey]) -> Sequence[bool]:
-        sizes = await anyio.to_thread.run_sync(self._stat_all, keys, limiter=self._readers)
+        sizes = await anyio.to_thread.run_sync(self._stat_all, keys, limiter=self._reads.limiter)
         with self._index_lock:
             for key, size in zip(keys, sizes, strict=True):
                 if size is not None and key not in self._index:
@@ -366,7 +422,7 @@ class FileSystemTier(SecondaryTier):
                 for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True)
                 if key not in self._index
             ]
-        done = await in_threads(self._write_stripe, todo, self.settings.write_depth, self._writers)
+        done = await in_threads(self._write_or_error, todo, self._writes, self._file_bytes)
         written = [key for key, error in done if error is None]
         errors = [error for _, error in done if error is not None]
         if written:
@@ -386,18 +442,16 @@ class FileSystemTier(SecondaryTier):
             )
         return JobResult(job.job_id, True, transfer_bytes=len(written) * self.ctx.chunk_bytes)
 
-    def _write_stripe(
-        self, chunks: list[tuple[OffloadKey, memoryview]]
-    ) -> list[tuple[OffloadKey, OSError | None]]:
-        """Write chunks one after another on one I/O thread; each one's error or None."""
-        return [(key, self._write_or_error(key, row)) for key, row in chunks]
-
-    def _write_or_error(self, key: OffloadKey, row: memoryview) -> OSError | None:
+    def _write_or_error(
+        self, chunk: tuple[OffloadKey, memoryview]
+    ) -> tuple[OffloadKey, OSError | None]:
+        """Write one chunk file; its key and error or None. Runs in a thread."""
+        key, row = chunk
         try:
             self._write_file(key, row)
         except OSError as exc:
-            return exc
-        return None
+            return key, exc
+        return key, None
 
     def _write_file(self, key: OffloadKey, row: memoryview) -> None:
         """Write one chunk file; on any error no file of it is left. Runs in a thread."""
@@ -485,8 +539,7 @@ class FileSystemTier(SecondaryTier):
         chunks = [
             (key, view[chunk_id]) for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True)
         ]
-        depth = self.settings.read_depth
-        outcomes = dict(await in_threads(self._read_stripe, chunks, depth, self._readers))
+        outcomes = dict(await in_threads(self._read_chunk, chunks, self._reads, self._file_bytes))
         loaded = [key for key in job.keys if outcomes.get(key) is None]
         lost = [key for key in job.keys if outcomes.get(key) is not None]
         corrupt = {k: r for k, r in outcomes.items() if r is not None and r != MISSING}
@@ -494,11 +547,10 @@ class FileSystemTier(SecondaryTier):
         self._forget(lost)
         return JobResult(job.job_id, not lost, successful_keys=loaded)
 
-    def _read_stripe(
-        self, chunks: list[tuple[OffloadKey, memoryview]]
-    ) -> list[tuple[OffloadKey, str | None]]:
-        """Read chunks one after another on one I/O thread; see :meth:`_read_file`."""
-        return [(key, self._read_file(key, row)) for key, row in chunks]
+    def _read_chunk(self, chunk: tuple[OffloadKey, memoryview]) -> tuple[OffloadKey, str | None]:
+        """Read one chunk; its key and :meth:`_read_file`'s answer. Runs in a thread."""
+        key, row = chunk
+        return key, self._read_file(key, row)
 
     def _read_file(self, key: OffloadKey, row: memoryview) -> str | None:
         """Read and verify one chunk into ``row``: None, ``MISSING``, or what was wrong.
@@ -565,6 +617,16 @@ class FileSystemTier(SecondaryTier):
     @property
     def used_bytes(self) -> int:
         return self._used_bytes
+
+    @property
+    def read_depth(self) -> int:
+        """Chunk files read at once now (the fixed depth, or where it adapted to)."""
+        return self._reads.depth
+
+    @property
+    def write_depth(self) -> int:
+        """Chunk files written at once now; see :attr:`read_depth`."""
+        return self._writes.depth
 
     @property
     def indexed_keys(self) -> int:

@@ -419,6 +419,59 @@ async def test_short_promotion_jobs_run_side_by_side_within_the_chunk_budget(eng
         assert [job.req_id for job in tier.load_jobs] == ["s0", "s1", "s2"]
 
 
+async def let_one_job_through(manager, tier, count: int) -> None:
+    """Once ``tier`` holds its ``count``-th load job at its gate, let that one through
+    (the gate closes behind it) and wait for its outcome."""
+    for _ in range(2000):
+        if len(tier.load_jobs) >= count:
+            break
+        await asyncio.sleep(0.001)
+    assert len(tier.load_jobs) == count
+    tier.gate.set()
+    tier.gate.clear()
+    await manager.wait_for_completions()
+
+
+async def test_the_first_admitted_request_s_chunks_all_become_readable_before_later_ones(
+    engine_id,
+):
+    # A budget of two chunks: one job at a time, in the order the queue serves them.
+    tier_config = scripted("turns", instant=True, max_promotion_chunks=2)
+    async with opened(engine_id, [tier_config], chunks=12) as manager:
+        tier = ScriptedTier.instances["turns"]
+        prompts = {"a": keys("turn-a", 4), "b": keys("turn-b", 2), "c": keys("turn-c", 2)}
+        requests = {name: ReqContext(name) for name in prompts}
+        fill(manager, [key for prompt in prompts.values() for key in prompt])
+        await settle(manager)
+        await manager.areset_cache()
+        tier.gate.clear()
+
+        def look_up(name: str, part: slice) -> None:
+            prompt, req = prompts[name][part], requests[name]
+            assert [manager.lookup(key, req) for key in prompt] == [PENDING] * len(prompt)
+
+        look_up("a", slice(0, 2))  # a's first step finds half its prompt
+        manager.on_schedule_end()
+        look_up("b", slice(None))
+        look_up("c", slice(None))
+        manager.on_schedule_end()
+        look_up("a", slice(2, None))  # a step later, a finds the rest
+        manager.on_schedule_end()
+
+        readable: list[str] = []
+        for count in range(1, 5):
+            await let_one_job_through(manager, tier, count)
+            for name, prompt in prompts.items():
+                req = requests[name]
+                if name not in readable and all(manager.lookup(k, req) is HIT for k in prompt):
+                    readable.append(name)
+        # a keeps its place in line for the rest of its prompt: it finishes first.
+        assert readable == ["a", "b", "c"]
+        assert [job.req_id for job in tier.load_jobs] == ["a", "a", "b", "c"]
+        for req in requests.values():
+            manager.on_request_finished(req)
+
+
 async def test_a_request_finished_while_its_promotion_waits_frees_its_slots(engine_id):
     tier_config = scripted("waiting", instant=True, max_promotion_chunks=1)
     async with opened(engine_id, [tier_config], chunks=8) as manager:

@@ -355,6 +355,40 @@ async def test_stale_temporary_files_are_removed_at_start(engine_id, tmp_path):
     assert not stale.exists()
 
 
+def io_depth(kv: KVTier, direction: str) -> float | None:
+    labels = {"tier": "1:fs", "direction": direction}
+    return kv.manager.metrics.sample(Names.TIER_IO_DEPTH, labels)
+
+
+async def test_a_fixed_depth_shows_in_its_gauge_and_stays(engine_id, tmp_path):
+    config = fs_config(engine_id, tmp_path, chunks=8, io_concurrency=3)
+    async with KVTier(config, [kv_tensor()]) as kv:
+        assert (io_depth(kv, "read"), io_depth(kv, "write")) == (3, 3)
+        ks = keys("fixed-depth", GPU_BLOCKS)
+        await store_all(kv, ks)
+        await forget_primary(kv)
+        for i in range(0, GPU_BLOCKS, 8):
+            assert await kv.lookup(ks[i : i + 8], f"r{i}", timeout=30) == 8
+            kv.finish(f"r{i}")
+        tier = fs_tier(kv)
+        assert (tier.read_depth, tier.write_depth) == (3, 3)
+        assert (io_depth(kv, "read"), io_depth(kv, "write")) == (3, 3)
+
+
+async def test_an_adaptive_depth_starts_at_four_and_its_gauge_follows_it(engine_id, tmp_path):
+    config = fs_config(engine_id, tmp_path, chunks=8, read_depth=2, max_write_depth=6)
+    async with KVTier(config, [kv_tensor()]) as kv:
+        tier = fs_tier(kv)
+        assert (io_depth(kv, "read"), io_depth(kv, "write")) == (2, 4)
+        # Enough stores for several windows: where the depth goes depends on this
+        # machine's disk, but it stays in bounds and the gauge says where it is.
+        for round_index in range(4):
+            await store_all(kv, keys(f"adaptive-{round_index}", GPU_BLOCKS))
+            assert 2 <= tier.write_depth <= 6
+            assert io_depth(kv, "write") == tier.write_depth
+        assert tier.read_depth == 2
+
+
 async def test_the_loop_keeps_ticking_while_the_fs_tier_moves_data(engine_id, tmp_path):
     lags: list[float] = []
     stop = asyncio.Event()

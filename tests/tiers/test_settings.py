@@ -21,6 +21,7 @@ from s3_servers import free_port
 
 from kvtier import ConfigError, OffloadingSpecFactory, SecondaryTierFactory
 from kvtier._secrets import Secret
+from kvtier.tiers._depth import DepthRange
 from kvtier.tiers.example import ExampleSettings, ExampleTier
 from kvtier.tiers.fs import FileSystemTier, FsSettings
 from kvtier.tiers.s3 import S3Settings, S3Tier
@@ -39,6 +40,9 @@ EVERY_PARAMETER: dict[type, dict[str, Any]] = {
         "capacity_bytes": 10**9,
         "read_depth": 2,
         "write_depth": 8,
+        "min_depth": 3,
+        "max_read_depth": 12,
+        "max_write_depth": 24,
         "o_direct": False,
         "fsync": True,
         "shared": False,
@@ -180,6 +184,12 @@ def test_bad_example_parameters_name_their_key(params, key, says):
         ({"io_concurrency": 0}, "io_concurrency", ">= 1"),
         ({"read_depth": 0}, "read_depth", ">= 1"),
         ({"write_depth": 300}, "write_depth", "<= 256"),
+        ({"read_depth": "adaptive"}, "read_depth", 'expected "auto" or an integer'),
+        ({"io_concurrency": "many"}, "io_concurrency", 'expected "auto" or an integer'),
+        ({"min_depth": 0}, "min_depth", ">= 1"),
+        ({"max_read_depth": 1}, "max_read_depth", r"expected a value >= min_depth \(2\)"),
+        ({"min_depth": 8, "max_write_depth": 4}, "max_write_depth", r">= min_depth \(8\)"),
+        ({"max_write_depth": 257}, "max_write_depth", "<= 256"),
         ({"o_direct": "sometimes"}, "o_direct", 'expected "auto", true or false'),
         ({"o_direct": None}, "o_direct", 'expected "auto", true or false'),
         ({"fsync": "yes"}, "fsync", "expected true or false"),
@@ -196,6 +206,25 @@ def test_io_concurrency_sets_both_depths_unless_one_is_given():
     assert (both.read_depth, both.write_depth) == (6, 6)
     one = FsSettings.from_params({"root_dir": "/r", "io_concurrency": 6, "read_depth": 2}, PATH)
     assert (one.read_depth, one.write_depth) == (2, 6)
+
+
+def test_depths_adapt_by_default_and_a_number_fixes_them():
+    default = FsSettings.from_params({"root_dir": "/r"}, PATH)
+    assert (default.read_depth, default.write_depth) == ("auto", "auto")
+    assert default.read_range == default.write_range == DepthRange(4, 2, 16)
+    fixed = FsSettings.from_params({"root_dir": "/r", "io_concurrency": 6}, PATH)
+    assert fixed.read_range == fixed.write_range == DepthRange(6, 6, 6)
+    assert fixed.read_range.is_fixed
+
+
+def test_auto_may_be_asked_for_by_name_and_bounded():
+    params = {"root_dir": "/r", "io_concurrency": 8, "read_depth": "auto", "max_read_depth": 32}
+    settings = FsSettings.from_params(params, PATH)
+    assert settings.read_range == DepthRange(4, 2, 32)
+    assert settings.write_range == DepthRange.fixed(8)
+    low = FsSettings.from_params({"root_dir": "/r", "min_depth": 6, "max_write_depth": 8}, PATH)
+    # The start is clipped into the bounds.
+    assert low.write_range == DepthRange(6, 6, 8)
 
 
 def test_fs_root_dir_is_kept_as_written():
