@@ -6,9 +6,10 @@ before the host could have recomputed it. The host says what recomputing costs
 :meth:`~kvtier.tiering.manager.TieringOffloadingManager.set_recompute_cost` as it
 measures); kvtier learns what a promotion costs from its own jobs. For a request asking
 a tier for its n-th chunk of the step, the promotion's estimate is the tier's measured
-seconds per chunk times the chunks ahead of it (in flight, waiting, and queued this
-step, the request's own included) plus one; recomputing it costs the request's n
-chunks. A hit whose promotion would arrive later is answered as a miss and counted.
+seconds per chunk times the chunks ahead of it (in flight, and queued for the requests
+whose turn comes before it, its own included: the queue serves requests in turn) plus
+one; recomputing it costs the request's n chunks. A hit whose promotion would arrive
+later is answered as a miss and counted.
 
 Seconds per chunk are a moving average of finished promotion jobs (job time over the
 chunks it moved; a job that timed out counts with its time-out). Until a tier has
@@ -44,6 +45,11 @@ class PromotionCosts:
         self.per_chunk_s[tier] = (
             sample if current is None else current + _ALPHA * (sample - current)
         )
+
+    def weighs(self, tier: int) -> bool:
+        """Whether promotions from ``tier`` are weighed at all: the host gave its cost
+        and the tier has finished a promotion job."""
+        return self.recompute_s_per_chunk is not None and self.per_chunk_s[tier] is not None
 
     def loses(self, tier: int, ahead: int, own: int) -> bool:
         """Whether promoting one more chunk from ``tier`` would take longer than

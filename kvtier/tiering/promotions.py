@@ -62,6 +62,18 @@ class _TierQueue:
         #: Chunks in ``step`` and ``waiting`` together.
         self.chunks = 0
 
+    def queued_before(self, turn: int | None) -> int:
+        """Chunks queued here that start no later than those of the request whose
+        turn is ``turn`` (its own included); all of them for a request with no turn
+        yet, which will queue last."""
+        if turn is None:
+            return self.chunks
+        return sum(
+            len(queued.keys)
+            for queued in (*self.step.values(), *self.waiting.values())
+            if queued.turn <= turn
+        )
+
     def queued_for(self, req_id: str) -> int:
         """Chunks of the request queued here (this step's and waiting)."""
         step, waiting = self.step.get(req_id), self.waiting.get(req_id)
@@ -153,8 +165,11 @@ class Promotions:
     def worth_it(self, tier: int, req_id: str) -> bool:
         """Whether one more chunk promoted for the request from ``tier`` would arrive
         before the host could recompute it (:mod:`~kvtier.tiering.admission`)."""
+        if not self._costs.weighs(tier):
+            return True
         queue = self._queues[tier]
-        ahead = self._jobs.in_flight[tier].promotion_chunks + queue.chunks
+        ahead = self._jobs.in_flight[tier].promotion_chunks
+        ahead += queue.queued_before(self._turns.get(req_id))
         return not self._costs.loses(tier, ahead, queue.queued_for(req_id))
 
     def busy(self, tier: int) -> bool:

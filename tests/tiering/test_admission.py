@@ -53,6 +53,23 @@ async def test_a_tier_faster_than_recomputing_is_still_used(engine_id):
         assert skipped(manager) == 0
 
 
+async def test_a_request_is_weighed_against_the_chunks_served_before_it_only(engine_id):
+    tier = scripted("turns", instant=True, load_delay_s=0.2)
+    async with opened(engine_id, [tier], chunks=8) as manager:
+        measured, a1, b1, b2, b3, a2, c1 = await stored_in_tier_only(manager, 7, "turns")
+        assert await resolve(manager, measured, ReqContext("m")) is HIT  # ~0.2 s a chunk
+        manager.host.set_recompute_cost(1.0)
+        assert manager.lookup(a1, ReqContext("a")) is PENDING  # request a's turn first
+        for key in (b1, b2, b3):
+            assert manager.lookup(key, ReqContext("b")) is PENDING
+        manager.host.set_recompute_cost(0.35)
+        # a's second chunk comes after a's first only, not after b's three: 2 x 0.2 s
+        # against 2 x 0.35 s. A new request would queue after all four, and loses.
+        assert manager.lookup(a2, ReqContext("a")) is PENDING
+        assert manager.lookup(c1, ReqContext("c")) is MISS
+        assert skipped(manager) == 1
+
+
 async def test_the_recompute_cost_can_be_given_later_and_is_checked(engine_id):
     tier = scripted("later", instant=True, load_delay_s=0.2)
     async with opened(engine_id, [tier], chunks=8) as manager:
