@@ -58,16 +58,19 @@ The last line is one JSON object (also written to ``--json``): each figure of ea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hashlib
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -151,6 +154,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "not permitted), or evict the tier's files only",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--sides",
+        type=lambda text: [side for side in SIDES if side in text.split(",")],
+        default=list(SIDES),
+        help="which sides run: vllm,kvtier (both); one alone to profile it",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -631,21 +640,51 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU time so far of each thread of this process, by native thread id."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            # Fields after the command name (which may hold spaces): utime, stime are
+            # the 12th and 13th of them.
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+            seconds[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
+
+
+def thread_kind(name: str) -> str:
+    """A thread's name without its pool index: one row per pool."""
+    return re.sub(r"[-_ ]?\d+$", "", re.sub(r"[-_]\d+_\d+$", "", name)) or name
+
+
 @dataclass
 class Phase:
     seconds: float
     cpu_s: float
+    #: CPU seconds by kind of thread (its name, pool index dropped); ``exited``: threads
+    #: that ended during the phase.
+    cpu_by_thread: dict[str, float]
 
 
 def timed(side: Side, name: str, fn: Callable[..., None], *args: Any) -> Phase:
     """``fn(*args)`` as the workload's phase ``name``: wall clock and CPU time."""
     side.phase(name)
+    before = thread_cpu_seconds()
     cpu, started = cpu_seconds(), time.perf_counter()
     try:
         fn(*args)
     finally:
         side.phase(None)
-    return Phase(time.perf_counter() - started, cpu_seconds() - cpu)
+    seconds, cpu_s = time.perf_counter() - started, cpu_seconds() - cpu
+    after = thread_cpu_seconds()
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    by_kind: dict[str, float] = {}
+    for tid, total in after.items():
+        kind = thread_kind(names.get(tid, "native"))
+        by_kind[kind] = by_kind.get(kind, 0.0) + total - before.get(tid, 0.0)
+    by_kind["exited"] = cpu_s - sum(by_kind.values())
+    return Phase(seconds, cpu_s, {k: round(v, 3) for k, v in by_kind.items() if v >= 0.005})
 
 
 def page_cache_mode(args: argparse.Namespace) -> str:
@@ -710,6 +749,8 @@ def run_once(
         **call_rates(name, args),
         "store_cpu_s_per_gib": store.cpu_s / (total / common.GIB),
         "load_cpu_s_per_gib": load.cpu_s / (max(promoted, 1) / common.GIB),
+        "store_cpu_s_by_thread": store.cpu_by_thread,
+        "load_cpu_s_by_thread": load.cpu_by_thread,
         "loop_lag_p99_ms": lag,
         "mismatches": figures.mismatches,
         "copy_failures": figures.copy_failures,
@@ -812,21 +853,21 @@ def summarize(
     runs: dict[str, list[dict[str, Any]]], raw: dict[str, float], facts: dict[str, Any]
 ) -> dict[str, Any]:
     """The flat JSON report: each side's figures, kvtier over vLLM, and the raw limit."""
-    sides = {name: side_figures(runs[name]) for name in SIDES}
+    sides = {name: side_figures(runs[name]) for name in SIDES if runs[name]}
     out: dict[str, Any] = {}
-    for name in SIDES:
-        out |= {f"{name}_{key}": value for key, value in sides[name].items()}
+    for name, figures in sides.items():
+        out |= {f"{name}_{key}": value for key, value in figures.items()}
     for key, *_ in FIGURES:
-        base, ours = sides["vllm"].get(key), sides["kvtier"].get(key)
+        base, ours = sides.get("vllm", {}).get(key), sides.get("kvtier", {}).get(key)
         if base and ours is not None:
             out[f"ratio_{key}"] = ours / base
     out |= raw
-    for name in SIDES:
+    for name in sides:
         out[f"{name}_store_ratio"] = sides[name]["store_gbps"] / raw["raw_write_gbps"]
         out[f"{name}_promotion_ratio"] = sides[name]["promotion_gbps"] / raw["raw_read_gbps"]
         out[f"{name}_fs"] = runs[name][-1]["fs"]
     out |= facts
-    for name in SIDES:
+    for name in sides:
         out[f"{name}_runs"] = [{k: v for k, v in run.items() if k != "fs"} for run in runs[name]]
     return rounded(out)
 
@@ -860,7 +901,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     patterns = common.Patterns([gpu], args.seed)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SIDES}
     for i in range(args.runs):
-        for name in SIDES:  # alternating, so drift falls on both
+        for name in args.sides:  # alternating, so drift falls on both
             runs[name].append(
                 run_once(name, args, root / f"{name}-{i}", requests, patterns, page_cache)
             )
@@ -885,7 +926,8 @@ def report(figures: dict[str, Any]) -> str:
     """Print the table and the JSON line; return the JSON."""
     total = figures["chunks"] * figures["chunk_bytes"] / common.GIB
     cold = {"drop_caches": "dropped", "fadvise": "evicted with posix_fadvise(DONTNEED)"}
-    vllm_fs, kvtier_fs = figures["vllm_fs"], figures["kvtier_fs"]
+    vllm_fs = figures.get("vllm_fs", {"o_direct": "-", "read_threads": "-", "write_threads": "-"})
+    kvtier_fs = figures.get("kvtier_fs", {"o_direct": "-", "read_depth": "-", "write_depth": "-"})
     print(
         f"vs vLLM: {total:.2f} GiB of {figures['chunk_bytes'] / common.MIB:g} MiB chunks in "
         f"{figures['job_chunks']}-chunk requests, {figures['in_flight']} in flight, primary "
@@ -900,6 +942,7 @@ def report(figures: dict[str, Any]) -> str:
         f"{kvtier_fs['o_direct']}, depth {kvtier_fs['read_depth']} read / "
         f"{kvtier_fs['write_depth']} write"
     )
+    sides = [name for name in SIDES if f"{name}_fs" in figures]
     print(f"  {'figure':<26}{'vLLM':>14}{'kvtier':>14}{'kvtier/vLLM':>14}")
     for key, label, style in FIGURES:
         cells = [figures.get(f"{name}_{key}") for name in SIDES]
@@ -919,9 +962,9 @@ def report(figures: dict[str, Any]) -> str:
     )
     print(
         "  against raw: store "
-        + ", ".join(f"{LABELS[n]} {figures[f'{n}_store_ratio']:.2f}" for n in SIDES)
+        + ", ".join(f"{LABELS[n]} {figures[f'{n}_store_ratio']:.2f}" for n in sides)
         + "; promotion "
-        + ", ".join(f"{LABELS[n]} {figures[f'{n}_promotion_ratio']:.2f}" for n in SIDES)
+        + ", ".join(f"{LABELS[n]} {figures[f'{n}_promotion_ratio']:.2f}" for n in sides)
     )
     text = json.dumps(figures)
     print(text)
