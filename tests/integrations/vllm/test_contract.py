@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvtier
+from kvtier.config import storage_namespace
 from kvtier.integrations import vllm as integration
 from kvtier.integrations.vllm import KVTierOffloadingSpec, KVTierSlots
 
@@ -108,9 +109,17 @@ def test_bad_settings_fail_at_start_naming_the_key(engine_id, extra, message):
         KVTierOffloadingSpec(offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20, **extra}))
 
 
-def test_more_than_one_kv_group_is_refused_with_one_clear_message(engine_id):
-    with pytest.raises(ValueError, match="supports models with one KV-cache group; this one has 2"):
-        KVTierOffloadingSpec(offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}, groups=2))
+def test_kv_groups_are_part_of_the_storage_namespace(engine_id):
+    def namespace(groups):
+        spec = KVTierOffloadingSpec(
+            offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}, groups=groups)
+        )
+        return storage_namespace(spec.kvtier_config, spec.kvtier_spec.geometry)
+
+    # One group: the namespace a model without groups always had.
+    assert ";dtype=float16;" in namespace(1)
+    # Two groups of one 16-token layer each: their chunks never mix with one group's.
+    assert ";dtype=float16;groups=16x1,16x1;" in namespace(2)
 
 
 def test_every_lookup_result_maps_to_vllms():
