@@ -4,7 +4,10 @@ Everything here needs vLLM (``nox -s vllm``); without it the whole directory is
 skipped. :class:`Engine` plays the model runner: it runs vLLM's ``Scheduler`` (whose
 ``OffloadingConnector`` holds the scheduler-side spec) and a worker-role
 ``OffloadingConnector`` over CPU KV tensors, writing each computed token's KV as bytes
-derived from its whole prefix, so any block that holds other bytes is caught.
+derived from its whole prefix and its KV-cache group, so any block that holds other
+bytes (another prefix's, another group's) is caught. With ``sliding_window`` the model
+is hybrid: a full-attention group and a sliding-window group whose layers overlay the
+first group's tensors, as vLLM's hybrid allocator places them.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ from vllm_offline import (
     OffloadingConnector,
     Request,
     SamplingParams,
+    SlidingWindowSpec,
     begin_step,
     block_hasher,
     end_step,
+    end_step_without_copies,
     engine_config,
     one_group_kv_cache,
+    overlaid_kv_cache,
     scheduler,
     worker_connector,
 )
@@ -46,6 +52,8 @@ TOKENS_PER_BLOCK = 16
 NUM_KV_HEADS = 2
 HEAD_SIZE = 16
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+#: A hybrid model's sliding-window layers (group 1), beside LAYERS (group 0).
+WINDOW_LAYERS = ("model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -62,9 +70,11 @@ def model_config() -> ModelConfig:
     return offline_model_config()
 
 
-def token_kv(tokens: list[int], position: int) -> torch.Tensor:
-    """The KV of the token at ``position``: bytes that depend on every token up to it."""
-    digest = hashlib.blake2b(repr(tokens[: position + 1]).encode(), digest_size=8).digest()
+def token_kv(tokens: list[int], position: int, group: int = 0, rank: int = 0) -> torch.Tensor:
+    """The KV of the token at ``position`` in a layer of KV-cache group ``group`` on
+    worker ``rank``: bytes that depend on every token up to it, the group and the rank."""
+    salt = f"{group}/{rank}:" if group or rank else ""
+    digest = hashlib.blake2b((salt + repr(tokens[: position + 1])).encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest, "big") & ((1 << 63) - 1))
     return torch.randn((2, NUM_KV_HEADS, HEAD_SIZE), generator=gen).to(torch.float16)
 
@@ -80,8 +90,14 @@ class Engine:
         events: bool = False,
         num_blocks: int = 64,
         max_num_batched_tokens: int = 2048,
+        sliding_window: int | None = None,
+        copies: bool = True,
     ) -> None:
         self.tokens_per_block = TOKENS_PER_BLOCK
+        self.sliding_window = sliding_window
+        #: False: no worker; every transfer job completes at once and no byte is
+        #: checked (the scheduler side of a spec whose worker needs a GPU).
+        self.copies = copies
         self.engine_id = f"test-vllm-{uuid.uuid4().hex[:10]}"
         self.config = engine_config(
             model_config,
@@ -99,22 +115,40 @@ class Engine:
             head_size=HEAD_SIZE,
             dtype=torch.float16,
         )
-        self.kv_cache_config = one_group_kv_cache(num_blocks, LAYERS, attention)
+        # (num_blocks, K/V, tokens, heads, head size): the first dimension is the block.
+        shape = (num_blocks, 2, TOKENS_PER_BLOCK, NUM_KV_HEADS, HEAD_SIZE)
+        if sliding_window is None:
+            self.groups: tuple[tuple[str, ...], ...] = (LAYERS,)
+            self.kv_cache_config = one_group_kv_cache(num_blocks, LAYERS, attention)
+            self.caches = {name: torch.zeros(shape, dtype=torch.float16) for name in LAYERS}
+        else:
+            window = SlidingWindowSpec(
+                block_size=TOKENS_PER_BLOCK,
+                num_kv_heads=NUM_KV_HEADS,
+                head_size=HEAD_SIZE,
+                dtype=torch.float16,
+                sliding_window=sliding_window,
+            )
+            self.groups = (LAYERS, WINDOW_LAYERS)
+            self.kv_cache_config = overlaid_kv_cache(
+                num_blocks, [(LAYERS, attention), (WINDOW_LAYERS, window)]
+            )
+            # Layer i of each group is the same tensor: the groups overlay each other.
+            shared = [torch.zeros(shape, dtype=torch.float16) for _ in LAYERS]
+            self.caches = {
+                name: shared[i] for layers in self.groups for i, name in enumerate(layers)
+            }
         self.hasher = block_hasher(TOKENS_PER_BLOCK)
         self.scheduler = scheduler(self.config, self.kv_cache_config)
         self.published: list[Any] = []
         if self.scheduler.kv_event_publisher is not None:
             self.scheduler.kv_event_publisher.publish = self.published.append  # type: ignore[method-assign]
-        # (num_blocks, K/V, tokens, heads, head size): the first dimension is the block.
-        self.caches = {
-            name: torch.zeros(
-                (num_blocks, 2, TOKENS_PER_BLOCK, NUM_KV_HEADS, HEAD_SIZE), dtype=torch.float16
-            )
-            for name in LAYERS
-        }
-        self.worker = worker_connector(self.config, self.kv_cache_config, self.caches)
+        self.worker = (
+            worker_connector(self.config, self.kv_cache_config, self.caches) if copies else None
+        )
         self.tokens: dict[str, list[int]] = {}
-        self.blocks: dict[str, list[int]] = {}
+        #: Each request's GPU blocks, one list per KV-cache group (0: vLLM's null block).
+        self.blocks: dict[str, list[list[int]]] = {}
         #: Tokens each request found computed (GPU prefix cache plus kvtier) when it
         #: was first scheduled, all verified byte for byte.
         self.cached_at_start: dict[str, int] = {}
@@ -150,27 +184,35 @@ class Engine:
 
     def finish_step(self, out: Any) -> Any:
         """The model runner's half of a step that ``scheduler.schedule()`` began."""
-        begin_step(self.worker, out)
+        if self.worker is not None:
+            begin_step(self.worker, out)
         self.preempted |= set(out.preempted_req_ids or ())
         sampled: dict[str, list[int]] = {}
         for new in out.scheduled_new_reqs:
-            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.blocks[new.req_id] = [list(ids) for ids in new.block_ids]
             self._first_scheduled(new.req_id, new.num_computed_tokens)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                self.blocks[req_id] = list(new_ids[0]) if new_ids else []
+                self.blocks[req_id] = (
+                    [list(ids) for ids in new_ids] if new_ids else [[] for _ in self.groups]
+                )
                 self._first_scheduled(req_id, cached.num_computed_tokens[i])
             elif new_ids:
-                self.blocks[req_id].extend(new_ids[0])
+                for blocks, ids in zip(self.blocks[req_id], new_ids, strict=True):
+                    blocks.extend(ids)
         for req_id, count in out.num_scheduled_tokens.items():
             start = self._computed(req_id, out)
             self._compute(req_id, start, start + count)
             if start + count >= len(self.tokens[req_id]):
                 token = 3 + (len(self.tokens[req_id]) * 7919 + hash(req_id)) % 1000
                 sampled[req_id] = [token]
-        output = end_step(self.worker, out, sampled)
+        output = (
+            end_step_without_copies(out, sampled)
+            if self.worker is None
+            else end_step(self.worker, out, sampled)
+        )
         engine_outputs = self.scheduler.update_from_output(out, output)
         for outputs in engine_outputs.values():
             stats = outputs.scheduler_stats
@@ -195,29 +237,48 @@ class Engine:
 
     def _first_scheduled(self, req_id: str, num_computed: int) -> None:
         self.cached_at_start[req_id] = num_computed
-        self.verify(req_id, num_computed)
+        if self.copies:
+            self.verify(req_id, num_computed)
 
     def verify(self, req_id: str, num_tokens: int) -> None:
-        """Every one of the first ``num_tokens`` tokens holds exactly its KV."""
-        tokens, blocks = self.tokens[req_id], self.blocks[req_id]
-        for position in range(num_tokens):
-            block, offset = blocks[position // TOKENS_PER_BLOCK], position % TOKENS_PER_BLOCK
-            expected = token_kv(tokens, position)
-            for name in LAYERS:
-                got = self.caches[name][block, :, offset]
-                assert torch.equal(got, expected), (
-                    f"{req_id}: token {position} in GPU block {block} of {name} holds "
-                    "other bytes than were computed for it"
-                )
+        """Every one of the first ``num_tokens`` tokens holds exactly its KV, in every
+        group; a sliding-window group only in its window, which must be there whole."""
+        tokens = self.tokens[req_id]
+        for group, (layers, blocks) in enumerate(
+            zip(self.groups, self.blocks[req_id], strict=True)
+        ):
+            window_start = 0
+            if group and self.sliding_window is not None:
+                window_start = max(0, num_tokens - self.sliding_window + 1)
+            for position in range(num_tokens):
+                block = blocks[position // TOKENS_PER_BLOCK]
+                if block == 0:  # vLLM's null block: a window's tokens passed by
+                    assert position < window_start, (
+                        f"{req_id}: token {position} of group {group} has no GPU block"
+                    )
+                    continue
+                offset = position % TOKENS_PER_BLOCK
+                expected = token_kv(tokens, position, group)
+                for name in layers:
+                    got = self.caches[name][block, :, offset]
+                    assert torch.equal(got, expected), (
+                        f"{req_id}: token {position} in GPU block {block} of {name} holds "
+                        "other bytes than were computed for it"
+                    )
         self.verified_blocks += num_tokens // TOKENS_PER_BLOCK
 
     def _compute(self, req_id: str, start: int, end: int) -> None:
-        tokens, blocks = self.tokens[req_id], self.blocks[req_id]
-        for position in range(start, min(end, len(tokens))):
-            block, offset = blocks[position // TOKENS_PER_BLOCK], position % TOKENS_PER_BLOCK
-            kv = token_kv(tokens, position)
-            for name in LAYERS:
-                self.caches[name][block, :, offset] = kv
+        tokens = self.tokens[req_id]
+        for group, (layers, blocks) in enumerate(
+            zip(self.groups, self.blocks[req_id], strict=True)
+        ):
+            for position in range(start, min(end, len(tokens))):
+                block = blocks[position // TOKENS_PER_BLOCK]
+                if block == 0:  # a window's token passed by within this step
+                    continue
+                kv = token_kv(tokens, position, group)
+                for name in layers:
+                    self.caches[name][block, :, position % TOKENS_PER_BLOCK] = kv
 
     def run(self, *, max_steps: int = 200, idle_steps: int = 3) -> None:
         """Step until no request is left, then a few more so stores and cascades land."""
@@ -229,9 +290,9 @@ class Engine:
             # promotions, cascades) are at work: give them the CPU for a moment instead
             # of spinning through empty steps.
             jobs = self.connector.connector_scheduler._jobs  # type: ignore[union-attr]
-            if jobs:
+            if jobs and self.worker is not None:
                 self.worker.connector_worker.worker.kvtier.wait(set(jobs), 0.02)  # type: ignore[union-attr]
-            if self.manager.has_pending_work():
+            if self.manager.has_pending_work() and hasattr(self.manager, "kvtier"):
                 self.manager.kvtier.host.wait_for_completions_blocking(0.02)
             assert steps < max_steps, (
                 "the engine did not settle: requests "
@@ -261,10 +322,11 @@ class Engine:
         """Empty vLLM's GPU prefix cache and zero the KV tensors, so only loads refill them."""
         assert self.scheduler.reset_prefix_cache()
         for tensor in self.caches.values():
-            tensor.zero_()
+            tensor.zero_()  # a shared tensor twice: harmless
 
     def close(self) -> None:
-        self.worker.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
         self.scheduler.shutdown()
 
 
