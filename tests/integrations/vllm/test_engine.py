@@ -247,3 +247,35 @@ def test_a_hybrid_model_hits_what_vllms_own_cpu_spec_hits(make_engine, blocks_pe
     assert kvtier_hits["all"] == kvtier_hits["longer"] == whole_chunks(9)
     assert kvtier_hits["longer again"] == whole_chunks(12)
     assert kvtier_hits["head"] == kvtier_hits["other"] == 0
+
+
+@pytest.mark.parametrize(
+    ("tiers", "window"),
+    [("primary", None), ("fs", None), ("primary", WINDOW)],
+    ids=["primary", "fs", "hybrid"],
+)
+def test_two_tensor_parallel_ranks_each_load_back_their_own_bytes(
+    make_engine, worker_processes, tmp_path, tiers, window
+):
+    # Two worker processes, each with KV bytes of its own (salted by its rank), share
+    # the engine's primary region: each copies only its column of every slot, vLLM
+    # counts a job done once both reported it, and a rank that got the other's bytes,
+    # or its own from another slot, fails the byte check in its process.
+    engine = make_engine(
+        tier_config(tiers, tmp_path), workers=worker_processes, sliding_window=window
+    )
+    shared = prompt(41, 6)
+    engine.add("first", [*shared, 5, 6, 7])
+    engine.run()
+    if tiers == "fs":
+        engine.drain_tiers()
+        engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.wipe_gpu()
+    engine.add("second", [*shared, 9, 9, 9, 9])
+    engine.run()
+    assert engine.cached_at_start["second"] == 6 * TOKENS_PER_BLOCK
+    assert engine.finished == {"first", "second"}
+    # The region's rows hold both ranks' columns: twice one rank's bytes per chunk.
+    spec = engine.manager.spec
+    assert spec.geometry.chunk_bytes >= 2 * spec.geometry.column_bytes
+    assert spec.config.world_size == 2
