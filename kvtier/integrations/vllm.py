@@ -207,7 +207,7 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
                 if ref.page_size_bytes > page:
                     raise ValueError(
                         f"KV-cache group {groups[g].group_id} ({_group_kind(groups[g])}, "
-                        f"layers {', '.join(groups[g].layer_names[:3])}...) has "
+                        f"layers {_layers(groups[g].layer_names)}) has "
                         f"{ref.page_size_bytes}-byte pages in a tensor of {page}-byte "
                         "pages shared with another group: kvtier copies whole pages of "
                         "each tensor and cannot store this group"
@@ -240,6 +240,11 @@ def _group_format(group: Any) -> str:
     window = group.sliding_window_size_in_chunks
     shape = f"{group.tokens_per_block}x{len(group.layer_names)}"
     return shape if window is None else f"{shape}w{window}"
+
+
+def _layers(names: Sequence[str]) -> str:
+    """A group's first layer names, for a message."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def _group_kind(group: Any) -> str:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.v1.kv_offload import base as vllm_base
@@ -266,3 +267,20 @@ def test_config_info_fills_the_declared_labels(make_engine):
     [info] = engine.manager.config_info()
     assert set(info) == set(KVTierOffloadingSpec.config_info_keys({}))
     assert info["blocks_per_chunk"] == 2 and info["tiers"] == "none"
+
+
+def test_a_group_whose_pages_overrun_its_shared_tensor_is_refused_naming_it(engine_id):
+    # Group 1's layer sits at group 0's address with larger pages (a packed layout):
+    # copying its pages would run into the next tensor's part of the slot.
+    spec = KVTierOffloadingSpec(
+        offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}, groups=2)
+    )
+    caches = vllm_base.CanonicalKVCaches(
+        tensors=[vllm_base.CanonicalKVCacheTensor(torch.zeros((8, 1024), dtype=torch.int8), 1024)],
+        group_data_refs=[
+            [vllm_base.CanonicalKVCacheRef(0, 1024)],
+            [vllm_base.CanonicalKVCacheRef(0, 2048)],
+        ],
+    )
+    with pytest.raises(ValueError, match=r"KV-cache group 1 \(full attention, layers l1\)"):
+        spec.get_worker(caches)
