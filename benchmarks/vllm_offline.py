@@ -2,8 +2,9 @@
 
 What the vLLM benchmark (``vllm_path.py``) and the vLLM tests
 (``tests/integrations/vllm``) share: vLLM's names, the tiny offline model config, the
-engine's configuration, a KV cache of one full-attention group sized by hand, and the
-connector calls that frame a model runner's step. Each keeps its own model runner: the
+engine's configuration, a KV cache sized by hand (one full-attention group, or a
+hybrid model's groups overlaying each other as vLLM's hybrid allocator places them),
+and the connector calls that frame a model runner's step. Each keeps its own model runner: the
 tests write every token's KV, the benchmark a pattern per block.
 """
 
@@ -31,6 +32,10 @@ with warnings.catch_warnings():
         VllmConfig,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        OffloadingWorkerMetadata,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
@@ -40,10 +45,12 @@ with warnings.catch_warnings():
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
+        SlidingWindowSpec,
     )
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
@@ -63,13 +70,16 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "SchedulerOutput",
+    "SlidingWindowSpec",
     "VllmConfig",
     "begin_step",
     "block_hasher",
     "end_step",
+    "end_step_without_copies",
     "engine_config",
     "model_config",
     "one_group_kv_cache",
+    "overlaid_kv_cache",
     "scheduler",
     "worker_connector",
 ]
@@ -147,6 +157,32 @@ def one_group_kv_cache(
     )
 
 
+def overlaid_kv_cache(
+    num_blocks: int, groups: Sequence[tuple[Sequence[str], AttentionSpec]]
+) -> KVCacheConfig:
+    """Several groups of as many layers each, of one page size, overlaying each other
+    from byte 0 of one allocation: how vLLM's hybrid allocator places a model's full
+    attention and sliding-window layers (layer ``i`` of every group shares tensor ``i``;
+    a block belongs to one group at a time)."""
+    pages = {spec.page_size_bytes for _, spec in groups}
+    counts = {len(layers) for layers, _ in groups}
+    assert len(pages) == 1 and len(counts) == 1, "one page size, as many layers per group"
+    page, count = pages.pop(), counts.pop()
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks * count,
+                layers=list(layers),
+                layer_stride=page * num_blocks,
+                block_stride=page,
+            )
+            for layers, _ in groups
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec) for layers, spec in groups],
+    )
+
+
 def block_hasher(block_size: int) -> Any:
     """vLLM's prefix hash of a request's blocks (sha256, as vLLM's default)."""
     init_none_hash(sha256)
@@ -199,5 +235,29 @@ def end_step(
             finished_sending=finished_sending or None,
             finished_recving=finished_recving or None,
             kv_connector_worker_meta=worker_meta,
+        ),
+    )
+
+
+def end_step_without_copies(
+    out: SchedulerOutput, sampled: dict[str, list[int]]
+) -> ModelRunnerOutput:
+    """A model runner's output for a step whose transfer jobs all completed at once,
+    without a worker: for running a spec's scheduler side alone (vLLM's own specs'
+    workers need a GPU), where only which tokens hit matters, not their bytes."""
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, OffloadingConnectorMetadata)
+    completed = dict.fromkeys([*meta.load_jobs, *meta.store_jobs], 1)
+    finished_recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
+    req_ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=finished_recving or None,
+            kv_connector_worker_meta=(
+                OffloadingWorkerMetadata(completed_jobs=completed) if completed else None
+            ),
         ),
     )

@@ -24,6 +24,14 @@ What vLLM does differently from a kvtier host, and how the adapter answers it:
   ended with ``on_reset_flushed()``: until then kvtier keeps their slots out of use.
 - A load may begin inside a chunk (``block_indices``) when a chunk spans several GPU
   blocks: the worker copies only the blocks asked for.
+- A hybrid model has several KV-cache groups (full attention beside sliding-window or
+  Mamba layers). A key names its group, so each chunk is one group's; a slot is sized
+  for the whole allocation (vLLM's ``worker_kv_bytes_per_block``) and each group copies
+  through its own layers' tensors, which overlay the other groups' in vLLM's
+  allocation. Every copy names how its blocks and slots divide among the groups
+  (``group_sizes``; a sliding-window group may start inside its first chunk).
+- Under tensor parallelism each worker rank copies only its own column of every slot;
+  vLLM counts a job done once every rank reported it.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ from kvtier.specs.cpu import CPUOffloadingSpec
 from kvtier.specs.factory import spec_name_for
 from kvtier.specs.tiering import TieringOffloadingSpec
 from kvtier.tiering.manager import TieringOffloadingManager
-from kvtier.worker.worker import OffloadingWorker
+from kvtier.worker.worker import GroupSplit, OffloadingWorker
 
 __all__ = [
     "KVTierOffloadingManager",
@@ -128,12 +136,14 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
 
     Reads kvtier's ``extra_config`` keys (``cpu_bytes_to_use``, ``eviction_policy``,
     ``secondary_tiers``, ``backpressure``, ...) and accepts vLLM's own; the chunk size
-    is the one vLLM resolved from ``block_size`` or ``blocks_per_chunk``.
+    is the one vLLM resolved from ``block_size`` or ``blocks_per_chunk``. Models with
+    several KV-cache groups store each group's chunks under its own keys; the groups
+    are part of the storage namespace.
 
     Raises:
-        ValueError: the model has more than one KV-cache group (hybrid,
-            sliding-window or Mamba layers beside full attention), or any invalid
-            setting (:class:`~kvtier.ConfigError`, naming the key).
+        ValueError: any invalid setting (:class:`~kvtier.ConfigError`, naming the
+            key); from :meth:`get_worker`, KV pages of a group that its tensor or the
+            slot cannot hold.
     """
 
     @classmethod
@@ -150,13 +160,10 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
 
     def __init__(self, config: VllmOffloadingConfig) -> None:
         super().__init__(config)
-        if len(config.groups) != 1:
-            raise ValueError(
-                f"KVTierOffloadingSpec supports models with one KV-cache group; this one "
-                f"has {len(config.groups)} (hybrid, sliding-window or Mamba layers beside "
-                "full attention), whose chunks kvtier cannot yet store and look up per "
-                "group. Use vLLM's own CPUOffloadingSpec for this model."
-            )
+        if not config.groups:
+            raise ValueError("KVTierOffloadingSpec: vLLM offloads no KV-cache group")
+        # The chunk's token count is the first group's; groups of other block sizes
+        # (a Mamba group's larger blocks) name theirs in the namespace.
         tokens_per_block = config.groups[0].tokens_per_block
         extra = translate_extra_config(config.extra_config)
         extra["block_size"] = tokens_per_block * self.blocks_per_chunk
@@ -167,7 +174,7 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
             world_size=config.parallel.world_size,
             rank=config.parallel.rank,
             model_name=config.model.name,
-            kv_dtype=config.model.dtype,
+            kv_dtype=_kv_format(config),
             extra_config=extra,
             enable_kv_events=config.enable_kv_cache_events,
         )
@@ -180,19 +187,72 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
         return self._manager
 
     def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> KVTierOffloadingWorker:
-        if len(kv_caches.group_data_refs) != 1:
+        """This rank's worker over vLLM's canonical KV tensors, one group per
+        ``group_data_refs`` entry (groups may share tensors).
+
+        Raises:
+            ValueError: a group's pages are larger than the tensor vLLM gave them (a
+                packed layout whose layers alias at different page sizes), or the
+                tensors hold more bytes per block than a slot's column.
+        """
+        groups = self.config.groups
+        if len(kv_caches.group_data_refs) != len(groups):
             raise ValueError(
-                f"KVTierOffloadingSpec supports one KV-cache group, the worker got "
-                f"{len(kv_caches.group_data_refs)}"
+                f"KVTierOffloadingSpec was configured for {len(groups)} KV-cache "
+                f"group(s), the worker got {len(kv_caches.group_data_refs)}"
             )
+        for g, refs in enumerate(kv_caches.group_data_refs):
+            for ref in refs:
+                page = kv_caches.tensors[ref.tensor_idx].page_size_bytes
+                if ref.page_size_bytes > page:
+                    raise ValueError(
+                        f"KV-cache group {groups[g].group_id} ({_group_kind(groups[g])}, "
+                        f"layers {_layers(groups[g].layer_names)}) has "
+                        f"{ref.page_size_bytes}-byte pages in a tensor of {page}-byte "
+                        "pages shared with another group: kvtier copies whole pages of "
+                        "each tensor and cannot store this group"
+                    )
         tensors = [entry.tensor for entry in kv_caches.tensors]
-        return KVTierOffloadingWorker(self.kvtier_spec.create_worker(tensors))
+        indices = [[ref.tensor_idx for ref in refs] for refs in kv_caches.group_data_refs]
+        return KVTierOffloadingWorker(self.kvtier_spec.create_worker(tensors, groups=indices))
 
 
 def _engine_id(engine_id: str) -> str:
     """vLLM's engine id as a name kvtier accepts for its /dev/shm region."""
     name = _ENGINE_ID_BAD.sub("_", engine_id)[:128] or "vllm"
     return name if name[0].isalnum() else f"v{name[:127]}"
+
+
+def _kv_format(config: VllmOffloadingConfig) -> str:
+    """The KV dtype, and for several groups what each one's chunks hold: part of the
+    storage namespace, so engines whose groups split the layers otherwise never read
+    each other's chunks. One group keeps the dtype alone (the namespace of a model
+    without groups stays what it was)."""
+    dtype: str = config.model.dtype
+    if len(config.groups) == 1:
+        return dtype
+    described = ",".join(_group_format(group) for group in config.groups)
+    return f"{dtype};groups={described}"
+
+
+def _group_format(group: Any) -> str:
+    """``<tokens per block>x<layers>``, then ``w<chunks>`` for a windowed group."""
+    window = group.sliding_window_size_in_chunks
+    shape = f"{group.tokens_per_block}x{len(group.layer_names)}"
+    return shape if window is None else f"{shape}w{window}"
+
+
+def _layers(names: Sequence[str]) -> str:
+    """A group's first layer names, for a message."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _group_kind(group: Any) -> str:
+    """What vLLM's group config says of a group's kind."""
+    window = group.sliding_window_size_in_chunks
+    if window is None:
+        return "full attention"
+    return f"windowed: sliding-window, chunked-local or Mamba, {window} chunk(s)"
 
 
 class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc]
@@ -418,13 +478,19 @@ class KVTierOffloadingWorker(vllm_base.OffloadingWorker):  # type: ignore[misc]
 
     def __init__(self, worker: OffloadingWorker) -> None:
         self.kvtier = worker
+        self._num_groups = len(worker.layout.groups)
 
     def submit_store(
         self, job_id: int, src_spec: vllm_base.GPULoadStoreSpec, dst_spec: KVTierSlots
     ) -> bool:
-        self.kvtier.submit_store(
-            job_id, src_spec.block_ids, dst_spec.chunk_ids, skip_blocks=self._skip(src_spec)
-        )
+        if self._num_groups > 1:
+            self.kvtier.submit_store(
+                job_id, src_spec.block_ids, dst_spec.chunk_ids, groups=self._split(src_spec)
+            )
+        else:
+            self.kvtier.submit_store(
+                job_id, src_spec.block_ids, dst_spec.chunk_ids, skip_blocks=self._skip(src_spec)
+            )
         return True
 
     def submit_load(
@@ -436,19 +502,32 @@ class KVTierOffloadingWorker(vllm_base.OffloadingWorker):  # type: ignore[misc]
     ) -> bool:
         # kvtier starts every load at once, so an expedited one queues behind nothing
         # of kvtier's; vLLM then waits for it with wait().
-        self.kvtier.submit_load(
-            job_id, src_spec.chunk_ids, dst_spec.block_ids, skip_blocks=self._skip(dst_spec)
-        )
+        if self._num_groups > 1:
+            self.kvtier.submit_load(
+                job_id, src_spec.chunk_ids, dst_spec.block_ids, groups=self._split(dst_spec)
+            )
+        else:
+            self.kvtier.submit_load(
+                job_id, src_spec.chunk_ids, dst_spec.block_ids, skip_blocks=self._skip(dst_spec)
+            )
         return True
 
     def _skip(self, gpu_spec: vllm_base.GPULoadStoreSpec) -> int:
         """Blocks of the first chunk before the copy starts (vLLM's block_indices)."""
         if len(gpu_spec.group_sizes) != 1:
             raise ValueError(
-                f"KVTierOffloadingSpec supports one KV-cache group, a copy named "
-                f"{len(gpu_spec.group_sizes)}"
+                f"this worker has one KV-cache group, a copy named {len(gpu_spec.group_sizes)}"
             )
         return int(gpu_spec.block_indices[0]) % self.kvtier.blocks_per_chunk
+
+    def _split(self, gpu_spec: vllm_base.GPULoadStoreSpec) -> GroupSplit:
+        """How a copy's blocks divide among the groups, each starting where vLLM's
+        ``block_indices`` says inside its first chunk."""
+        bpc = self.kvtier.blocks_per_chunk
+        return GroupSplit(
+            sizes=[int(size) for size in gpu_spec.group_sizes],
+            skips=[int(index) % bpc for index in gpu_spec.block_indices],
+        )
 
     def get_finished(self) -> list[vllm_base.TransferResult]:
         return [

@@ -103,9 +103,17 @@ class OffloadingSpec(AsyncResource):
 
     @abstractmethod
     def create_worker(
-        self, kv_caches: Sequence[torch.Tensor], *, engine: CopyEngine | None = None
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        *,
+        engine: CopyEngine | None = None,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> OffloadingWorker:
-        """A worker for rank ``config.rank`` copying between ``kv_caches`` and the region."""
+        """A worker for rank ``config.rank`` copying between ``kv_caches`` and the region.
+
+        ``groups``: for a model with several KV-cache groups, the indices of the
+        ``kv_caches`` each group's layers use (see :class:`OffloadingWorker`).
+        """
 
     def shutdown(self) -> None:
         """vLLM's name for ``close()`` (DESIGN section 2), and the same call: blocks

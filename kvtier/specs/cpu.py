@@ -104,11 +104,17 @@ class CPUOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def create_worker(
-        self, kv_caches: Sequence[torch.Tensor], *, engine: CopyEngine | None = None
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        *,
+        engine: CopyEngine | None = None,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> OffloadingWorker:
         with contextlib.ExitStack() as building:
             region = building.enter_context(self.open_region(self.config.rank))
-            worker = OffloadingWorker(region, kv_caches, self.blocks_per_chunk, engine=engine)
+            worker = OffloadingWorker(
+                region, kv_caches, self.blocks_per_chunk, engine=engine, groups=groups
+            )
             building.pop_all()  # the worker owns its region now
         self._workers.append(worker)
         return worker

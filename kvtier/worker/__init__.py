@@ -8,7 +8,7 @@ from kvtier.worker.engines import (
     ThreadedCopyEngine,
 )
 from kvtier.worker.layout import ColumnLayout
-from kvtier.worker.worker import OffloadingWorker
+from kvtier.worker.worker import GroupSplit, OffloadingWorker
 
 __all__ = [
     "COMPLETED",
@@ -16,6 +16,7 @@ __all__ = [
     "CopyEngine",
     "CopyEvent",
     "CpuCopyEngine",
+    "GroupSplit",
     "OffloadingWorker",
     "ThreadedCopyEngine",
 ]

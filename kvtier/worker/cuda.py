@@ -71,18 +71,24 @@ class CudaCopyEngine(CopyEngine):
         if self._register:
             self._pin_region()
 
-    def store(self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> CopyEvent:
+    def store(
+        self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, group: int = 0
+    ) -> CopyEvent:
         layout = self.layout
         n = chunk_ids.numel()
         bpc = layout.blocks_per_chunk
+        parts = layout.groups[group]
         # KV bytes are written by the compute stream: copy only what it has finished.
         producer = torch.cuda.current_stream(self._device)
         stream = self._store_stream
         with torch.cuda.stream(stream):
             stream.wait_stream(producer)
             ids = gpu_block_ids.to(self._device, non_blocking=True)
-            staging = torch.empty((n, layout.column_bytes), dtype=torch.uint8, device=self._device)
-            for part in layout.slices:
+            # A group that leaves part of the column to other groups' tensors writes
+            # zeros there, not whatever the allocator's block held before.
+            new = torch.empty if len(parts) == len(layout.slices) else torch.zeros
+            staging = new((n, layout.column_bytes), dtype=torch.uint8, device=self._device)
+            for part in parts:
                 span = part.block_bytes * bpc
                 gathered = part.blocks.index_select(0, ids).view(n, span)
                 staging[:, part.offset : part.offset + span].copy_(gathered)
@@ -92,7 +98,9 @@ class CudaCopyEngine(CopyEngine):
                 )
             return _CudaEvent(STORE, stream, (staging, ids, gpu_block_ids, chunk_ids))
 
-    def load(self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor) -> CopyEvent:
+    def load(
+        self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor, group: int = 0
+    ) -> CopyEvent:
         layout = self.layout
         n = chunk_ids.numel()
         bpc = layout.blocks_per_chunk
@@ -107,7 +115,7 @@ class CudaCopyEngine(CopyEngine):
                 staging[first : first + count].copy_(
                     layout.column[slot : slot + count], non_blocking=True
                 )
-            for part in layout.slices:
+            for part in layout.groups[group]:
                 span = part.block_bytes * bpc
                 blocks = staging[:, part.offset : part.offset + span].reshape(
                     n * bpc, part.block_bytes

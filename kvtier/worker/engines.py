@@ -81,9 +81,10 @@ class CopyEngine(BlockingResource):
 
     ``gpu_block_ids`` (``int64``, CPU) holds ``blocks_per_chunk`` block ids per chunk,
     in order; ``chunk_ids`` (``int64``, CPU) holds one slot per chunk. The worker has
-    validated both. An engine never blocks its caller for longer than it takes to
-    enqueue the copies: the caller may be an event loop. An engine that copies at once
-    anyway returns :data:`COMPLETED`.
+    validated both. ``group`` is the KV-cache group the chunks belong to: only its
+    tensors (``layout.groups[group]``) are copied. An engine never blocks its caller
+    for longer than it takes to enqueue the copies: the caller may be an event loop.
+    An engine that copies at once anyway returns :data:`COMPLETED`.
     """
 
     layout: ColumnLayout
@@ -93,11 +94,15 @@ class CopyEngine(BlockingResource):
         self.layout = layout
 
     @abstractmethod
-    def store(self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> CopyEvent:
+    def store(
+        self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, group: int = 0
+    ) -> CopyEvent:
         """Enqueue GPU blocks -> region slots."""
 
     @abstractmethod
-    def load(self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor) -> CopyEvent:
+    def load(
+        self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor, group: int = 0
+    ) -> CopyEvent:
         """Enqueue region slots -> GPU blocks."""
 
     def close(self) -> None:
@@ -143,11 +148,13 @@ def _runs(gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, bpc: int) -> lis
 # thread to wake (else it waits out the 5 ms switch interval).
 
 
-def copy_store(layout: ColumnLayout, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> None:
+def copy_store(
+    layout: ColumnLayout, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, group: int = 0
+) -> None:
     """GPU blocks -> slots, on CPU tensors."""
     bpc = layout.blocks_per_chunk
     runs = _runs(gpu_block_ids, chunk_ids, bpc)
-    for part in layout.slices:
+    for part in layout.groups[group]:
         blocks, region = part.blocks, part.region_view
         for run in runs:
             if run.first >= 0:
@@ -157,11 +164,13 @@ def copy_store(layout: ColumnLayout, gpu_block_ids: torch.Tensor, chunk_ids: tor
                 torch.index_select(blocks, 0, torch.tensor(run.blocks), out=region[run.slot])
 
 
-def copy_load(layout: ColumnLayout, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor) -> None:
+def copy_load(
+    layout: ColumnLayout, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor, group: int = 0
+) -> None:
     """Slots -> GPU blocks, on CPU tensors."""
     bpc = layout.blocks_per_chunk
     runs = _runs(gpu_block_ids, chunk_ids, bpc)
-    for part in layout.slices:
+    for part in layout.groups[group]:
         blocks, region = part.blocks, part.region_view
         for run in runs:
             if run.first >= 0:
@@ -212,13 +221,17 @@ class CpuCopyEngine(CopyEngine):
         self._threads: list[threading.Thread] = []
         self._lanes_lock = threading.Lock()
 
-    def store(self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> CopyEvent:
+    def store(
+        self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, group: int = 0
+    ) -> CopyEvent:
         layout = self.layout
-        return self._enqueue(STORE, lambda: copy_store(layout, gpu_block_ids, chunk_ids))
+        return self._enqueue(STORE, lambda: copy_store(layout, gpu_block_ids, chunk_ids, group))
 
-    def load(self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor) -> CopyEvent:
+    def load(
+        self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor, group: int = 0
+    ) -> CopyEvent:
         layout = self.layout
-        return self._enqueue(LOAD, lambda: copy_load(layout, chunk_ids, gpu_block_ids))
+        return self._enqueue(LOAD, lambda: copy_load(layout, chunk_ids, gpu_block_ids, group))
 
     def close(self) -> None:
         with self._lanes_lock:

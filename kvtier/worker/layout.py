@@ -10,6 +10,13 @@ its ``blocks_per_chunk`` blocks back to back::
 
 so one tensor's part of a chunk is one contiguous byte range of the column.
 
+A host whose model has several KV-cache groups (vLLM's hybrid models: full attention
+beside sliding-window or Mamba layers) names, per group, the tensors its layers use. A
+slot then holds one chunk of one group: only that group's tensors are copied into and
+out of it, and the rest of the column is left alone. Such groups overlay each other in
+one allocation, so their tensors may take fewer bytes per block than the column
+offers (vLLM pads a block of the allocation); the spare bytes stay unused.
+
 vLLM's FlashAttention layout, per-layer tensors shaped ``(2, num_blocks, ...)`` (K and
 V stacked in front of the block index), is read as two tensors, the layer's K then its
 V, each with the block index first. When the tensors read right both ways (two blocks
@@ -44,22 +51,33 @@ class TensorSlice:
 class ColumnLayout:
     """The KV tensors of one worker matched against its region column.
 
+    ``groups`` lists, per KV-cache group, the indices into ``kv_caches`` of the tensors
+    that group's layers use (None: one group of every tensor). With groups, the tensors
+    may hold fewer bytes per block than the column offers.
+
     Raises:
         ValueError: the tensors read neither block index first nor as vLLM's
             ``(2, num_blocks, ...)``, with as many blocks each and as many bytes per
-            block together as the column's ``column_bytes / blocks_per_chunk``; or a
-            block is not one contiguous run of bytes.
+            block together as the column's ``column_bytes / blocks_per_chunk`` (at
+            most as many with groups); a block is not one contiguous run of bytes; or
+            a group is empty or names a tensor that is not there.
     """
 
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], column: torch.Tensor, blocks_per_chunk: int
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        column: torch.Tensor,
+        blocks_per_chunk: int,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
         self.column = column
         self.num_chunks, self.column_bytes = column.shape
         self.blocks_per_chunk = blocks_per_chunk
-        tensors = block_first_tensors(kv_caches, self.column_bytes // blocks_per_chunk)
+        tensors = block_first_tensors(
+            kv_caches, self.column_bytes // blocks_per_chunk, spare_bytes=groups is not None
+        )
         num_blocks = tensors[0][1].shape[0]
         device = tensors[0][1].device
         all_blocks = [_as_block_bytes(tensor, name) for name, tensor in tensors]
@@ -78,12 +96,46 @@ class ColumnLayout:
         self.device = device
         #: How the host's tensors were read: as they are, or split into K and V views.
         self.split_kv = len(tensors) != len(kv_caches)
+        #: The slices each KV-cache group copies (one group of all slices by default).
+        self.groups: tuple[tuple[TensorSlice, ...], ...] = (
+            (self.slices,) if groups is None else self._group_slices(groups, len(kv_caches))
+        )
+        #: Bytes one GPU block of each group moves.
+        self.group_block_bytes = tuple(
+            sum(part.block_bytes for part in group) for group in self.groups
+        )
+
+    def _group_slices(
+        self, groups: Sequence[Sequence[int]], num_caches: int
+    ) -> tuple[tuple[TensorSlice, ...], ...]:
+        """Each group's slices, from the indices of ``kv_caches`` its layers use."""
+        if not groups:
+            raise ValueError("groups is empty: name the KV tensors of at least one group")
+        per_cache = 2 if self.split_kv else 1
+        out: list[tuple[TensorSlice, ...]] = []
+        for g, indices in enumerate(groups):
+            if not indices:
+                raise ValueError(f"groups[{g}] names no KV tensor")
+            bad = [i for i in indices if not 0 <= i < num_caches]
+            if bad:
+                raise ValueError(
+                    f"groups[{g}] names kv_caches[{bad[0]}], but there are {num_caches}"
+                )
+            # Layers of one group that share a tensor copy it once.
+            unique = dict.fromkeys(indices)
+            out.append(
+                tuple(
+                    self.slices[i * per_cache + half] for i in unique for half in range(per_cache)
+                )
+            )
+        return tuple(out)
 
 
 def block_first_tensors(
-    kv_caches: Sequence[torch.Tensor], block_bytes: int
+    kv_caches: Sequence[torch.Tensor], block_bytes: int, *, spare_bytes: bool = False
 ) -> list[tuple[str, torch.Tensor]]:
-    """``kv_caches`` as named tensors with the block index first, ``block_bytes`` per block.
+    """``kv_caches`` as named tensors with the block index first, ``block_bytes`` per block
+    (at most that many with ``spare_bytes``).
 
     Tensors with the block index first come back as they are (``kv_caches[i]``); vLLM's
     per-layer ``(2, num_blocks, ...)`` tensors come back as K and V views
@@ -105,7 +157,7 @@ def block_first_tensors(
                 f"kv_caches[{i}] is on {tensor.device}, kv_caches[0] on {kv_caches[0].device}"
             )
     as_given = [(f"kv_caches[{i}]", tensor) for i, tensor in enumerate(kv_caches)]
-    given_misfit = _misfit(as_given, block_bytes)
+    given_misfit = _misfit(as_given, block_bytes, spare_bytes)
     if given_misfit is None:
         return as_given
     not_vllm = next(
@@ -123,25 +175,29 @@ def block_first_tensors(
             for i, tensor in enumerate(kv_caches)
             for half, view in enumerate(tensor.unbind(0))
         ]
-        vllm_misfit = _misfit(as_vllm, block_bytes)
+        vllm_misfit = _misfit(as_vllm, block_bytes, spare_bytes)
         if vllm_misfit is None:
             return as_vllm
         vllm = f"Read as vLLM's (2, num_blocks, ...), split into K and V: {vllm_misfit}"
     else:
         vllm = f"Nor is it vLLM's (2, num_blocks, ...): {not_vllm}."
+    total = f"at most {block_bytes}" if spare_bytes else str(block_bytes)
     raise ValueError(
         f"kv_caches do not fit kv_bytes_per_block={block_bytes}. Pass tensors with the "
         "block index first, (num_blocks, ...), each block's bytes contiguous (as "
         "kvtier.paged.PagedKVLayout.allocate builds them), or vLLM's per-layer "
         "(2, num_blocks, ...) tensors; either way the same number of blocks in every "
-        f"tensor and {block_bytes} bytes per block in all of them together. "
+        f"tensor and {total} bytes per block in all of them together. "
         f"Read block index first: {given_misfit} {vllm}"
         f"{_block_dim_hint(kv_caches, block_bytes)}"
     )
 
 
-def _misfit(tensors: Sequence[tuple[str, torch.Tensor]], block_bytes: int) -> str | None:
-    """Why ``tensors`` are not block-first with ``block_bytes`` per block; None if they are."""
+def _misfit(
+    tensors: Sequence[tuple[str, torch.Tensor]], block_bytes: int, spare_bytes: bool
+) -> str | None:
+    """Why ``tensors`` are not block-first with ``block_bytes`` per block (at most that
+    many with ``spare_bytes``); None if they are."""
     first_name, first = tensors[0]
     num_blocks = first.shape[0]
     for name, tensor in tensors:
@@ -151,12 +207,13 @@ def _misfit(tensors: Sequence[tuple[str, torch.Tensor]], block_bytes: int) -> st
                 f"block index, where {first_name} has {num_blocks}."
             )
     found = sum(_bytes_per_block(tensor) for _, tensor in tensors)
-    if found != block_bytes:
+    if found > block_bytes or (found != block_bytes and not spare_bytes):
         shapes = ", ".join(str(tuple(tensor.shape)) for _, tensor in tensors[:3])
         more = ", ..." if len(tensors) > 3 else ""
+        expected = f"at most {block_bytes}" if spare_bytes else str(block_bytes)
         return (
             f"the {len(tensors)} tensors ({shapes}{more}) hold {found} bytes per block "
-            f"(dimensions 1 onward), {block_bytes} expected."
+            f"(dimensions 1 onward), {expected} expected."
         )
     return None
 

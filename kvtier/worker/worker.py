@@ -10,6 +10,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +22,7 @@ from kvtier.resources import BlockingResource, close_all, resolve_threadsafe
 from kvtier.worker.engines import COMPLETED, LOAD, STORE, CopyEngine, CopyEvent, CpuCopyEngine
 from kvtier.worker.layout import ColumnLayout
 
-__all__ = ["BlockIds", "OffloadingWorker"]
+__all__ = ["BlockIds", "GroupSplit", "OffloadingWorker"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,67 @@ logger = logging.getLogger(__name__)
 BlockIds = Sequence[int] | torch.Tensor
 
 _Callback = Callable[[BaseException | None], None]
+
+
+@dataclass(frozen=True)
+class GroupSplit:
+    """How one copy job divides among the worker's KV-cache groups.
+
+    The job's ``gpu_block_ids`` list the blocks of group 0, then group 1, and so on:
+    ``sizes[g]`` of them belong to group ``g`` (0: the group takes no part). Group
+    ``g``'s blocks start ``skips[g]`` blocks into its first chunk and may end inside
+    its last, so they span ``ceil((skips[g] + sizes[g]) / blocks_per_chunk)`` of the
+    job's ``chunk_ids``, again group after group. This is how vLLM's connector names
+    a copy (``GPULoadStoreSpec.group_sizes``, and ``block_indices`` modulo the
+    blocks per chunk).
+    """
+
+    sizes: Sequence[int]
+    skips: Sequence[int]
+
+
+class _Part(NamedTuple):
+    """One group's share of a job: its ids as tensors and as Python ints.
+
+    A tuple, not a frozen dataclass: every job builds one, and a frozen dataclass
+    costs several times as much to make.
+    """
+
+    group: int
+    gpu_ids: torch.Tensor
+    slots: torch.Tensor
+    gpu_values: list[int]
+    slot_values: list[int]
+    skip_blocks: int
+
+
+class _AllEvents(CopyEvent):
+    """The copies of one job's groups: complete once every one of them is."""
+
+    def __init__(self, events: list[CopyEvent]) -> None:
+        self._events = events
+        # Every event of a job is on the job's direction lane, so completing them in
+        # order keeps the lane's submission order.
+        self.lane = events[-1].lane
+
+    def query(self) -> bool:
+        return all(event.query() for event in self._events)
+
+    def synchronize(self) -> None:
+        # Wait for all of them even after one failed: the job ends only when no copy
+        # of it still runs.
+        errors = [error for event in self._events if (error := _synchronize(event))]
+        if errors:
+            raise errors[0]
+
+
+def _synchronize(event: CopyEvent) -> BaseException | None:
+    """Wait for ``event``; what its copies raised, if they failed."""
+    try:
+        event.synchronize()
+    except BaseException as exc:  # handed back: the caller raises it once all ended
+        return exc
+    return None
 
 
 class _Waiter(BlockingResource):
@@ -84,8 +147,14 @@ class OffloadingWorker(BlockingResource):
     block's bytes contiguous, or vLLM's per-layer ``(2, num_blocks, ...)`` tensors,
     which are read as their K and V halves (:mod:`kvtier.worker.layout`).
 
+    A model with several KV-cache groups passes ``groups``: per group, the indices of
+    the ``kv_caches`` its layers use (they may share tensors with other groups). Each
+    slot then holds one chunk of one group, and every copy names how it divides among
+    the groups with a :class:`GroupSplit`.
+
     Raises:
-        ValueError: ``kv_caches`` fit neither layout; the message says what to pass.
+        ValueError: ``kv_caches`` fit neither layout, or ``groups`` names tensors that
+            are not there; the message says what to pass.
     """
 
     def __init__(
@@ -95,9 +164,10 @@ class OffloadingWorker(BlockingResource):
         blocks_per_chunk: int,
         *,
         engine: CopyEngine | None = None,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.region = region
-        self.layout = ColumnLayout(kv_caches, region.worker_column(), blocks_per_chunk)
+        self.layout = ColumnLayout(kv_caches, region.worker_column(), blocks_per_chunk, groups)
         if self.layout.split_kv:
             logger.info(
                 "rank %s: %d KV tensors read as vLLM's (2, num_blocks, ...) layout, "
@@ -131,16 +201,39 @@ class OffloadingWorker(BlockingResource):
     # ------------------------------------------------------------ sync API
 
     def submit_store(
-        self, job_id: int, gpu_block_ids: BlockIds, chunk_ids: BlockIds, *, skip_blocks: int = 0
+        self,
+        job_id: int,
+        gpu_block_ids: BlockIds,
+        chunk_ids: BlockIds,
+        *,
+        skip_blocks: int = 0,
+        groups: GroupSplit | None = None,
     ) -> None:
-        """Start copying GPU blocks into slots; the result comes from :meth:`get_finished`."""
-        self._submit(job_id, STORE, gpu_block_ids, chunk_ids, self._finished.append, skip_blocks)
+        """Start copying GPU blocks into slots; the result comes from :meth:`get_finished`.
+
+        ``groups`` (a worker built with several KV-cache groups needs it; then
+        ``skip_blocks`` is its ``skips``) says which blocks and slots are whose.
+        """
+        self._submit(
+            job_id, STORE, gpu_block_ids, chunk_ids, self._finished.append, skip_blocks, groups
+        )
 
     def submit_load(
-        self, job_id: int, chunk_ids: BlockIds, gpu_block_ids: BlockIds, *, skip_blocks: int = 0
+        self,
+        job_id: int,
+        chunk_ids: BlockIds,
+        gpu_block_ids: BlockIds,
+        *,
+        skip_blocks: int = 0,
+        groups: GroupSplit | None = None,
     ) -> None:
-        """Start copying slots into GPU blocks; the result comes from :meth:`get_finished`."""
-        self._submit(job_id, LOAD, gpu_block_ids, chunk_ids, self._finished.append, skip_blocks)
+        """Start copying slots into GPU blocks; the result comes from :meth:`get_finished`.
+
+        ``groups`` as for :meth:`submit_store`.
+        """
+        self._submit(
+            job_id, LOAD, gpu_block_ids, chunk_ids, self._finished.append, skip_blocks, groups
+        )
 
     def wait(self, job_ids: Collection[int], timeout: float | None = None) -> bool:
         """Block until the submitted jobs ``job_ids`` have completed; False on timeout.
@@ -161,26 +254,43 @@ class OffloadingWorker(BlockingResource):
     # ----------------------------------------------------------- async API
 
     async def store(
-        self, gpu_block_ids: BlockIds, chunk_ids: BlockIds, *, skip_blocks: int = 0
+        self,
+        gpu_block_ids: BlockIds,
+        chunk_ids: BlockIds,
+        *,
+        skip_blocks: int = 0,
+        groups: GroupSplit | None = None,
     ) -> TransferResult:
         """Copy GPU blocks into slots and wait, without blocking the loop, until done."""
-        return await self._run(STORE, gpu_block_ids, chunk_ids, skip_blocks)
+        return await self._run(STORE, gpu_block_ids, chunk_ids, skip_blocks, groups)
 
     async def load(
-        self, chunk_ids: BlockIds, gpu_block_ids: BlockIds, *, skip_blocks: int = 0
+        self,
+        chunk_ids: BlockIds,
+        gpu_block_ids: BlockIds,
+        *,
+        skip_blocks: int = 0,
+        groups: GroupSplit | None = None,
     ) -> TransferResult:
         """Copy slots into GPU blocks and wait, without blocking the loop, until done."""
-        return await self._run(LOAD, gpu_block_ids, chunk_ids, skip_blocks)
+        return await self._run(LOAD, gpu_block_ids, chunk_ids, skip_blocks, groups)
 
     async def _run(
-        self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds, skip_blocks: int
+        self,
+        direction: str,
+        gpu_block_ids: BlockIds,
+        chunk_ids: BlockIds,
+        skip_blocks: int,
+        groups: GroupSplit | None,
     ) -> TransferResult:
         future: asyncio.Future[TransferResult] = asyncio.get_running_loop().create_future()
 
         def deliver(result: TransferResult) -> None:
             resolve_threadsafe(future, result)
 
-        self._submit(next(self._ids), direction, gpu_block_ids, chunk_ids, deliver, skip_blocks)
+        self._submit(
+            next(self._ids), direction, gpu_block_ids, chunk_ids, deliver, skip_blocks, groups
+        )
         return await future
 
     # -------------------------------------------------------------- closing
@@ -214,40 +324,53 @@ class OffloadingWorker(BlockingResource):
         chunk_ids: BlockIds,
         report: Callable[[TransferResult], None],
         skip_blocks: int = 0,
+        groups: GroupSplit | None = None,
     ) -> None:
         if self._closed:
             raise KVTierError("the worker is closed")
-        gpu_ids, slots, gpu_values, slot_values = self._check_ids(
-            direction, gpu_block_ids, chunk_ids, skip_blocks
-        )
-        nbytes = len(gpu_values) * (self.layout.column_bytes // self.layout.blocks_per_chunk)
+        layout = self.layout
+        if groups is None:
+            if len(layout.groups) != 1:
+                raise ValueError(
+                    f"this worker's KV tensors form {len(layout.groups)} KV-cache groups: "
+                    "a copy must say which blocks are whose (groups=GroupSplit(...))"
+                )
+            gpu_ids, slots, gpu_values, slot_values = self._check_ids(
+                direction, gpu_block_ids, chunk_ids, skip_blocks
+            )
+            parts: Sequence[_Part] = (
+                _Part(0, gpu_ids, slots, gpu_values, slot_values, skip_blocks),
+            )
+            nbytes = len(gpu_values) * layout.group_block_bytes[0]
+            num_chunks = len(slot_values)
+        else:
+            parts, nbytes, num_chunks = self._split_groups(
+                direction, gpu_block_ids, chunk_ids, groups
+            )
         started = time.perf_counter()
         if nbytes == 0:
             report(TransferResult(job_id, True, 0, 0.0))
             return
         try:
-            if skip_blocks:
-                gpu_ids, slots = self._copy_partial_chunks(
-                    direction, gpu_ids, slots, gpu_values, slot_values, skip_blocks
-                )
-            if not slots.numel():
-                event = COMPLETED
-            elif direction == STORE:
-                event = self.engine.store(gpu_ids, slots)
-            else:
-                event = self.engine.load(slots, gpu_ids)
+            events = [event for part in parts if (event := self._start(direction, part))]
         except Exception:
             logger.exception(
-                "%s job %d of %d chunks failed to start", direction, job_id, slots.numel()
+                "%s job %d of %d chunks failed to start", direction, job_id, num_chunks
             )
             report(TransferResult(job_id, False, nbytes, time.perf_counter() - started))
             return
+        if not events:
+            event = COMPLETED
+        elif len(events) == 1:
+            event = events[0]
+        else:
+            event = _AllEvents(events)
 
         def finish(error: BaseException | None) -> None:
             elapsed = time.perf_counter() - started
             if error is not None:
                 logger.error(
-                    "%s job %d of %d chunks failed: %s", direction, job_id, slots.numel(), error
+                    "%s job %d of %d chunks failed: %s", direction, job_id, num_chunks, error
                 )
             report(TransferResult(job_id, error is None, nbytes, elapsed))
             with self._idle:
@@ -273,6 +396,73 @@ class OffloadingWorker(BlockingResource):
         if waiter is None:
             waiter = self._waiters[event.lane] = _Waiter(event.lane)
         waiter.watch(event, finish)
+
+    def _start(self, direction: str, part: _Part) -> CopyEvent | None:
+        """Enqueue one group's copies; None when none is left for the engine."""
+        gpu_ids, slots = part.gpu_ids, part.slots
+        if part.skip_blocks or len(part.gpu_values) % self.layout.blocks_per_chunk:
+            gpu_ids, slots = self._copy_partial_chunks(direction, part)
+        if not slots.numel():
+            return None
+        if direction == STORE:
+            return self.engine.store(gpu_ids, slots, group=part.group)
+        return self.engine.load(slots, gpu_ids, group=part.group)
+
+    def _split_groups(
+        self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds, groups: GroupSplit
+    ) -> tuple[list[_Part], int, int]:
+        """Each group's share of a job, checked; the bytes it moves; its chunk count."""
+        gpu_ids, gpu_values = _as_ids("gpu_block_ids", gpu_block_ids)
+        slots, slot_values = _as_ids("chunk_ids", chunk_ids)
+        layout = self.layout
+        bpc = layout.blocks_per_chunk
+        num_groups = len(layout.groups)
+        if len(groups.sizes) != num_groups or len(groups.skips) != num_groups:
+            raise ValueError(
+                f"this worker has {num_groups} KV-cache group(s); the copy names "
+                f"{len(groups.sizes)} group sizes and {len(groups.skips)} skips"
+            )
+        if sum(groups.sizes) != len(gpu_values):
+            raise ValueError(
+                f"the group sizes add up to {sum(groups.sizes)} blocks, "
+                f"but {len(gpu_values)} gpu_block_ids were given"
+            )
+        parts: list[_Part] = []
+        nbytes = block = slot = 0
+        for group, (size, skip) in enumerate(zip(groups.sizes, groups.skips, strict=True)):
+            if size < 0:
+                raise ValueError(f"group {group}'s size must be >= 0, got {size}")
+            if not size:
+                continue
+            if not 0 <= skip < bpc:
+                raise ValueError(f"group {group}'s skip must lie in [0, {bpc}), got {skip}")
+            count = -(-(skip + size) // bpc)
+            parts.append(
+                _Part(
+                    group,
+                    gpu_ids[block : block + size],
+                    slots[slot : slot + count],
+                    gpu_values[block : block + size],
+                    slot_values[slot : slot + count],
+                    skip,
+                )
+            )
+            nbytes += size * layout.group_block_bytes[group]
+            block += size
+            slot += count
+        if slot != len(slot_values):
+            raise ValueError(
+                f"the groups' blocks span {slot} chunk(s) of {bpc} block(s), "
+                f"but {len(slot_values)} chunk_ids were given"
+            )
+        _check_range("chunk_ids", slot_values, layout.num_chunks)
+        _check_range("gpu_block_ids", gpu_values, layout.num_gpu_blocks)
+        written, name = (
+            (slot_values, "chunk_ids") if direction == STORE else (gpu_values, "gpu_block_ids")
+        )
+        if len(set(written)) != len(written):
+            raise ValueError(f"{name} of a {direction} must not repeat an id")
+        return parts, nbytes, len(slot_values)
 
     def _check_ids(
         self, direction: str, gpu_block_ids: BlockIds, chunk_ids: BlockIds, skip_blocks: int
@@ -316,21 +506,17 @@ class OffloadingWorker(BlockingResource):
         return gpu_ids, slots, gpu_values, slot_values
 
     def _copy_partial_chunks(
-        self,
-        direction: str,
-        gpu_ids: torch.Tensor,
-        slots: torch.Tensor,
-        gpu_values: list[int],
-        slot_values: list[int],
-        skip_blocks: int,
+        self, direction: str, part: _Part
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the blocks of chunks a job starting ``skip_blocks`` into its first chunk
-        covers only in part; the whole chunks left.
+        """Copy the blocks of the chunks a group's share of a job covers only in part
+        (it starts ``skip_blocks`` into its first chunk, or ends inside its last); the
+        whole chunks left.
 
         Only the first chunk and the last can be partial, so these few blocks are
         copied one by one and synchronously, and the engine (whose copies move whole
         chunks) gets the rest.
         """
+        gpu_values, slot_values, skip_blocks = part.gpu_values, part.slot_values, part.skip_blocks
         bpc = self.layout.blocks_per_chunk
         end = skip_blocks + len(gpu_values)
         last_whole = end // bpc  # chunks [1, last_whole) are covered whole
@@ -339,16 +525,16 @@ class OffloadingWorker(BlockingResource):
             for position in range(skip_blocks, end)
             if not 1 <= position // bpc < last_whole
         ]
-        for part in self.layout.slices:
+        for tensor in self.layout.groups[part.group]:
             for slot, offset, block in partial:
                 if direction == STORE:
-                    part.region_view[slot, offset].copy_(part.blocks[block])
+                    tensor.region_view[slot, offset].copy_(tensor.blocks[block])
                 else:
-                    part.blocks[block].copy_(part.region_view[slot, offset])
+                    tensor.blocks[block].copy_(tensor.region_view[slot, offset])
         if last_whole <= 1:
-            return gpu_ids[:0], slots[:0]
+            return part.gpu_ids[:0], part.slots[:0]
         start = bpc - skip_blocks
-        return gpu_ids[start : start + (last_whole - 1) * bpc], slots[1:last_whole]
+        return part.gpu_ids[start : start + (last_whole - 1) * bpc], part.slots[1:last_whole]
 
 
 def _as_ids(name: str, ids: BlockIds) -> tuple[torch.Tensor, list[int]]:

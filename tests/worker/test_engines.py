@@ -88,10 +88,14 @@ class _Failed(CopyEvent):
 class FailedAtOnceEngine(CopyEngine):
     """Copies that have already failed by the time the engine returns."""
 
-    def store(self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> CopyEvent:
+    def store(
+        self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, group: int = 0
+    ) -> CopyEvent:
         return _Failed()
 
-    def load(self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor) -> CopyEvent:
+    def load(
+        self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor, group: int = 0
+    ) -> CopyEvent:
         return _Failed()
 
 

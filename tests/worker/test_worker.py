@@ -12,7 +12,7 @@ from helpers import make_config
 from kvtier import OffloadingSpecFactory, SharedOffloadRegion
 from kvtier.errors import KVTierError
 from kvtier.specs.cpu import CPUOffloadingSpec
-from kvtier.worker import ThreadedCopyEngine
+from kvtier.worker import GroupSplit, ThreadedCopyEngine
 
 NUM_GPU_BLOCKS = 32
 
@@ -319,5 +319,120 @@ def test_wait_returns_once_the_named_jobs_completed(engine_id, gate):
         assert worker.wait({7}, timeout=10)
         [result] = worker.get_finished()
         assert result.job_id == 7 and result.success
+    finally:
+        spec.shutdown()
+
+
+def grouped_tensors(seed: int = 0) -> list[torch.Tensor]:
+    """Three tensors of 1024, 1024 and 1536 bytes per block: 512 of the 4096 spare."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 256, (NUM_GPU_BLOCKS, size), dtype=torch.uint8, generator=gen)
+        for size in (1024, 1024, 1536)
+    ]
+
+
+def build_grouped(engine_id: str, **extra):
+    """Two KV-cache groups sharing tensor 0, as a hybrid model's groups overlay each
+    other: group 0 uses tensors 0 and 1, group 1 tensors 0 and 2."""
+    spec = OffloadingSpecFactory.create_spec(
+        make_config(engine_id, kv_bytes_per_block=4096, **extra)
+    )
+    kv = grouped_tensors()
+    worker = spec.create_worker(kv, groups=[[0, 1], [0, 2]])
+    return spec, worker, kv
+
+
+def test_a_job_of_two_groups_copies_each_through_its_own_tensors(engine_id):
+    spec, worker, kv = build_grouped(engine_id, block_size=32)
+    manager = spec.get_manager()
+    try:
+        # Group 0's chunk (blocks 4, 5) to slot 3, group 1's (blocks 9, 1) to slot 0.
+        split = GroupSplit(sizes=(2, 2), skips=(0, 0))
+        worker.submit_store(1, [4, 5, 9, 1], [3, 0], groups=split)
+        [stored] = wait_finished(worker, 1)
+        assert stored.success and stored.transfer_bytes == 2 * 2048 + 2 * 2560
+        group0_row = bytes(manager.region.primary_view[3])
+        group1_row = bytes(manager.region.primary_view[0])
+        # Each tensor's part of the column holds 2 blocks: 2048, 2048, then 3072 bytes.
+        assert group0_row[:2048] == kv[0][4:6].numpy().tobytes()
+        assert group0_row[2048:4096] == kv[1][4:6].numpy().tobytes()
+        assert group0_row[4096:] == bytes(len(group0_row) - 4096)  # not group 0's
+        assert group1_row[:2048] == kv[0][[9, 1]].numpy().tobytes()
+        assert group1_row[2048:4096] == bytes(2048)  # not group 1's
+        assert group1_row[4096:7168] == kv[2][[9, 1]].numpy().tobytes()
+
+        before = [tensor.clone() for tensor in kv]
+        worker.submit_load(2, [3, 0], [20, 21, 22, 23], groups=split)
+        [loaded] = wait_finished(worker, 1)
+        assert loaded.success and loaded.transfer_bytes == stored.transfer_bytes
+        assert torch.equal(kv[0][20:22], before[0][4:6])
+        assert torch.equal(kv[1][20:22], before[1][4:6])
+        assert torch.equal(kv[2][20:22], before[2][20:22])  # group 0 never writes it
+        assert torch.equal(kv[0][22:24], before[0][[9, 1]])
+        assert torch.equal(kv[2][22:24], before[2][[9, 1]])
+        assert torch.equal(kv[1][22:24], before[1][22:24])  # group 1 never writes it
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.anyio
+async def test_a_group_may_start_and_end_inside_its_chunks(engine_id):
+    # Chunks of 4 blocks. Group 0 stores and loads the first 2 blocks of one chunk;
+    # group 1 loads from 3 blocks into its first chunk to 1 block into its third.
+    spec, worker, kv = build_grouped(engine_id, block_size=64)
+    try:
+        stored = await worker.store(
+            [0, 1, *range(8, 20)], [6, 5, 2, 7], groups=GroupSplit(sizes=(2, 12), skips=(0, 0))
+        )
+        assert stored.success
+        before = [tensor.clone() for tensor in kv]
+        loaded = await worker.load(
+            [6, 5, 2, 7],
+            [20, 21, 24, 25, 26, 27, 28, 29],
+            groups=GroupSplit(sizes=(2, 6), skips=(0, 3)),
+        )
+        assert loaded.success and loaded.transfer_bytes == 2 * 2048 + 6 * 2560
+        assert torch.equal(kv[0][20:22], before[0][0:2])
+        assert torch.equal(kv[1][20:22], before[1][0:2])
+        assert torch.equal(kv[0][24:30], before[0][11:17])
+        assert torch.equal(kv[2][24:30], before[2][11:17])
+        for tensor, old in zip(kv, before, strict=True):
+            assert torch.equal(tensor[22:24], old[22:24]) and torch.equal(tensor[30:], old[30:])
+    finally:
+        await spec.aclose()
+
+
+@pytest.mark.parametrize(
+    ("gpu_ids", "chunk_ids", "split", "message"),
+    [
+        ([1, 2], [0], None, "form 2 KV-cache groups"),
+        ([1, 2], [0], GroupSplit((2,), (0,)), "names 1 group sizes"),
+        ([1, 2], [0], GroupSplit((1, 0), (0, 0)), "add up to 1 blocks"),
+        ([1, 2], [0], GroupSplit((1, 1), (0, 0)), "span 2 chunk"),
+        ([1, 2], [0, 1, 2], GroupSplit((2, 0), (1, 0)), "but 3 chunk_ids"),
+        ([1], [0], GroupSplit((0, 1), (0, 2)), r"skip must lie in \[0, 2\)"),
+        ([1, 1], [0, 1], GroupSplit((1, 1), (0, 0)), "gpu_block_ids of a load must not repeat"),
+    ],
+)
+def test_a_grouped_copy_must_name_each_groups_blocks_and_chunks(
+    engine_id, gpu_ids, chunk_ids, split, message
+):
+    spec, worker, _ = build_grouped(engine_id, block_size=32)
+    try:
+        with pytest.raises(ValueError, match=message):
+            worker.submit_load(1, chunk_ids, gpu_ids, groups=split)
+    finally:
+        spec.shutdown()
+
+
+def test_groups_must_name_tensors_that_exist(engine_id):
+    spec = OffloadingSpecFactory.create_spec(make_config(engine_id, kv_bytes_per_block=4096))
+    try:
+        with pytest.raises(ValueError, match=r"groups\[1\] names kv_caches\[3\]"):
+            spec.create_worker(grouped_tensors(), groups=[[0], [3]])
+        # Without groups the tensors must fill the column's 4096 bytes per block.
+        with pytest.raises(ValueError, match="hold 3584 bytes per block"):
+            spec.create_worker(grouped_tensors())
     finally:
         spec.shutdown()

@@ -1,15 +1,20 @@
 """vLLM's real scheduler and connectors driving kvtier, on CPU tensors.
 
 Everything here needs vLLM (``nox -s vllm``); without it the whole directory is
-skipped. :class:`Engine` plays the model runner: it runs vLLM's ``Scheduler`` (whose
-``OffloadingConnector`` holds the scheduler-side spec) and a worker-role
-``OffloadingConnector`` over CPU KV tensors, writing each computed token's KV as bytes
-derived from its whole prefix, so any block that holds other bytes is caught.
+skipped. :class:`Engine` runs vLLM's ``Scheduler`` (whose ``OffloadingConnector`` holds
+the scheduler-side spec) and plays vLLM's executor for its worker ranks: one
+:class:`~vllm_procs.ModelRunner` in this process, or with ``world_size`` > 1 one per
+rank in processes of their own, their outputs aggregated as vLLM's executor does. Each
+rank writes every computed token's KV as bytes derived from its whole prefix, its
+KV-cache group and the rank, so any block that holds other bytes is caught. With
+``sliding_window`` the model is hybrid: a full-attention group and a sliding-window
+group whose layers overlay the first group's tensors, as vLLM's hybrid allocator
+places them.
 """
 
 from __future__ import annotations
 
-import hashlib
+import multiprocessing
 import os
 import uuid
 from collections.abc import Iterator
@@ -22,30 +27,24 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.base")
 
 import torch
+import vllm_procs
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm_offline import (
-    FullAttentionSpec,
     ModelConfig,
     OffloadingConnector,
     Request,
     SamplingParams,
-    begin_step,
     block_hasher,
-    end_step,
+    end_step_without_copies,
     engine_config,
-    one_group_kv_cache,
     scheduler,
-    worker_connector,
 )
 from vllm_offline import model_config as offline_model_config
+from vllm_procs import TOKENS_PER_BLOCK, ModelRunner, RemoteRunner
 
 # One intra-op thread: the KV written per token is tiny, and torch's spinning worker
 # threads would take the small test machine's cores from kvtier's tier threads.
 torch.set_num_threads(1)
-
-TOKENS_PER_BLOCK = 16
-NUM_KV_HEADS = 2
-HEAD_SIZE = 16
-LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -62,15 +61,8 @@ def model_config() -> ModelConfig:
     return offline_model_config()
 
 
-def token_kv(tokens: list[int], position: int) -> torch.Tensor:
-    """The KV of the token at ``position``: bytes that depend on every token up to it."""
-    digest = hashlib.blake2b(repr(tokens[: position + 1]).encode(), digest_size=8).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest, "big") & ((1 << 63) - 1))
-    return torch.randn((2, NUM_KV_HEADS, HEAD_SIZE), generator=gen).to(torch.float16)
-
-
 class Engine:
-    """vLLM's scheduler plus a worker connector, stepped by hand like a model runner."""
+    """vLLM's scheduler plus its worker ranks, stepped by hand like vLLM's engine core."""
 
     def __init__(
         self,
@@ -80,6 +72,9 @@ class Engine:
         events: bool = False,
         num_blocks: int = 64,
         max_num_batched_tokens: int = 2048,
+        sliding_window: int | None = None,
+        copies: bool = True,
+        workers: list[RemoteRunner] | None = None,
     ) -> None:
         self.tokens_per_block = TOKENS_PER_BLOCK
         self.engine_id = f"test-vllm-{uuid.uuid4().hex[:10]}"
@@ -93,36 +88,43 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             events=events,
         )
-        attention = FullAttentionSpec(
-            block_size=TOKENS_PER_BLOCK,
-            num_kv_heads=NUM_KV_HEADS,
-            head_size=HEAD_SIZE,
-            dtype=torch.float16,
-        )
-        self.kv_cache_config = one_group_kv_cache(num_blocks, LAYERS, attention)
+        # Tensor-parallel ranks, as vLLM's engine core sees them: the scheduler side
+        # (rank 0's config) waits for world_size workers to report each job.
+        world_size = len(workers) if workers else 1
+        self.config.parallel_config.tensor_parallel_size = world_size
+        self.config.parallel_config.world_size = world_size
+        self.runners: list[ModelRunner] = []
+        self.remotes: list[RemoteRunner] = []
+        if workers is None:
+            self.runners.append(ModelRunner(self.config, num_blocks, sliding_window, copies=copies))
+            self.kv_cache_config = self.runners[0].kv_cache_config
+        else:
+            assert copies, "worker processes always copy"
+            self.kv_cache_config, _ = vllm_procs.kv_cache_config(num_blocks, sliding_window)
+            for rank, remote in enumerate(workers):
+                remote.send("open", (self.config, num_blocks, sliding_window, rank))
+                self.remotes.append(remote)
+            for remote in self.remotes:
+                assert remote.receive("open") == "opened"
+        self.aggregator = KVOutputAggregator(world_size)
         self.hasher = block_hasher(TOKENS_PER_BLOCK)
         self.scheduler = scheduler(self.config, self.kv_cache_config)
         self.published: list[Any] = []
         if self.scheduler.kv_event_publisher is not None:
             self.scheduler.kv_event_publisher.publish = self.published.append  # type: ignore[method-assign]
-        # (num_blocks, K/V, tokens, heads, head size): the first dimension is the block.
-        self.caches = {
-            name: torch.zeros(
-                (num_blocks, 2, TOKENS_PER_BLOCK, NUM_KV_HEADS, HEAD_SIZE), dtype=torch.float16
-            )
-            for name in LAYERS
-        }
-        self.worker = worker_connector(self.config, self.kv_cache_config, self.caches)
         self.tokens: dict[str, list[int]] = {}
-        self.blocks: dict[str, list[int]] = {}
         #: Tokens each request found computed (GPU prefix cache plus kvtier) when it
-        #: was first scheduled, all verified byte for byte.
+        #: was first scheduled, all verified byte for byte on every rank.
         self.cached_at_start: dict[str, int] = {}
         self.preempted: set[str] = set()
         #: The offloading stats payloads the scheduler sent with its outputs.
         self.connector_stats: list[dict[str, Any]] = []
         self.finished: set[str] = set()
-        self.verified_blocks = 0
+
+    @property
+    def worker(self) -> Any:
+        """The worker connector of the rank in this process (None without copies)."""
+        return self.runners[0].worker if self.runners else None
 
     @property
     def connector(self) -> OffloadingConnector:
@@ -149,34 +151,32 @@ class Engine:
         return self.finish_step(self.scheduler.schedule())
 
     def finish_step(self, out: Any) -> Any:
-        """The model runner's half of a step that ``scheduler.schedule()`` began."""
-        begin_step(self.worker, out)
+        """The workers' half of a step that ``scheduler.schedule()`` began."""
         self.preempted |= set(out.preempted_req_ids or ())
         sampled: dict[str, list[int]] = {}
-        for new in out.scheduled_new_reqs:
-            self.blocks[new.req_id] = list(new.block_ids[0])
-            self._first_scheduled(new.req_id, new.num_computed_tokens)
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                self.blocks[req_id] = list(new_ids[0]) if new_ids else []
-                self._first_scheduled(req_id, cached.num_computed_tokens[i])
-            elif new_ids:
-                self.blocks[req_id].extend(new_ids[0])
+        tokens = {req_id: self.tokens[req_id] for req_id in out.num_scheduled_tokens}
         for req_id, count in out.num_scheduled_tokens.items():
-            start = self._computed(req_id, out)
-            self._compute(req_id, start, start + count)
-            if start + count >= len(self.tokens[req_id]):
+            if _computed(req_id, out) + count >= len(self.tokens[req_id]):
                 token = 3 + (len(self.tokens[req_id]) * 7919 + hash(req_id)) % 1000
                 sampled[req_id] = [token]
-        output = end_step(self.worker, out, sampled)
+        for remote in self.remotes:
+            remote.send("step", (out, tokens, sampled))
+        results = [runner.step(out, tokens, sampled) for runner in self.runners]
+        results += [remote.receive("step") for remote in self.remotes]
+        for _, first in results:
+            self.cached_at_start.update(first)
+        outputs = [output for output, _ in results]
+        if outputs[0] is None:
+            output = end_step_without_copies(out, sampled)
+        else:
+            # Only once every rank reported a job does vLLM count it done.
+            output = self.aggregator.aggregate(outputs)
         engine_outputs = self.scheduler.update_from_output(out, output)
-        for outputs in engine_outputs.values():
-            stats = outputs.scheduler_stats
+        for outputs_of_client in engine_outputs.values():
+            stats = outputs_of_client.scheduler_stats
             if stats is not None and stats.kv_connector_stats:
                 self.connector_stats.append(stats.kv_connector_stats)
-            for request_output in outputs.outputs:
+            for request_output in outputs_of_client.outputs:
                 self.tokens[request_output.request_id].extend(request_output.new_token_ids)
                 if request_output.finished:
                     self.finished.add(request_output.request_id)
@@ -186,38 +186,10 @@ class Engine:
         """Every KV-cache event vLLM published, in order."""
         return [event for batch in self.published for event in batch.events]
 
-    def _computed(self, req_id: str, out: Any) -> int:
-        for new in out.scheduled_new_reqs:
-            if new.req_id == req_id:
-                return int(new.num_computed_tokens)
-        cached = out.scheduled_cached_reqs
-        return int(cached.num_computed_tokens[cached.req_ids.index(req_id)])
-
-    def _first_scheduled(self, req_id: str, num_computed: int) -> None:
-        self.cached_at_start[req_id] = num_computed
-        self.verify(req_id, num_computed)
-
-    def verify(self, req_id: str, num_tokens: int) -> None:
-        """Every one of the first ``num_tokens`` tokens holds exactly its KV."""
-        tokens, blocks = self.tokens[req_id], self.blocks[req_id]
-        for position in range(num_tokens):
-            block, offset = blocks[position // TOKENS_PER_BLOCK], position % TOKENS_PER_BLOCK
-            expected = token_kv(tokens, position)
-            for name in LAYERS:
-                got = self.caches[name][block, :, offset]
-                assert torch.equal(got, expected), (
-                    f"{req_id}: token {position} in GPU block {block} of {name} holds "
-                    "other bytes than were computed for it"
-                )
-        self.verified_blocks += num_tokens // TOKENS_PER_BLOCK
-
-    def _compute(self, req_id: str, start: int, end: int) -> None:
-        tokens, blocks = self.tokens[req_id], self.blocks[req_id]
-        for position in range(start, min(end, len(tokens))):
-            block, offset = blocks[position // TOKENS_PER_BLOCK], position % TOKENS_PER_BLOCK
-            kv = token_kv(tokens, position)
-            for name in LAYERS:
-                self.caches[name][block, :, offset] = kv
+    @property
+    def verified_blocks(self) -> int:
+        """Blocks checked byte for byte by the rank in this process."""
+        return sum(runner.verified_blocks for runner in self.runners)
 
     def run(self, *, max_steps: int = 200, idle_steps: int = 3) -> None:
         """Step until no request is left, then a few more so stores and cascades land."""
@@ -229,9 +201,9 @@ class Engine:
             # promotions, cascades) are at work: give them the CPU for a moment instead
             # of spinning through empty steps.
             jobs = self.connector.connector_scheduler._jobs  # type: ignore[union-attr]
-            if jobs:
-                self.worker.connector_worker.worker.kvtier.wait(set(jobs), 0.02)  # type: ignore[union-attr]
-            if self.manager.has_pending_work():
+            if jobs and self.worker is not None:
+                self.worker.connector_worker.worker.kvtier.wait(set(jobs), 0.02)
+            if self.manager.has_pending_work() and hasattr(self.manager, "kvtier"):
                 self.manager.kvtier.host.wait_for_completions_blocking(0.02)
             assert steps < max_steps, (
                 "the engine did not settle: requests "
@@ -260,12 +232,41 @@ class Engine:
     def wipe_gpu(self) -> None:
         """Empty vLLM's GPU prefix cache and zero the KV tensors, so only loads refill them."""
         assert self.scheduler.reset_prefix_cache()
-        for tensor in self.caches.values():
-            tensor.zero_()
+        for runner in self.runners:
+            runner.wipe()
+        for remote in self.remotes:
+            remote.send("wipe")
+        for remote in self.remotes:
+            assert remote.receive("wipe") == "wiped"
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for runner in self.runners:
+            runner.close()
+        for remote in self.remotes:
+            remote.send("close")
+        for remote in self.remotes:
+            assert remote.receive("close") == "closed"
         self.scheduler.shutdown()
+
+
+@pytest.fixture(scope="module")
+def worker_processes(model_config: ModelConfig) -> Iterator[list[RemoteRunner]]:
+    """Two worker processes (tensor-parallel ranks 0 and 1), shared by a module's
+    engines: each process imports vLLM once."""
+    ctx = multiprocessing.get_context("spawn")
+    remotes = []
+    for rank in range(2):
+        conn, child = ctx.Pipe()
+        process = ctx.Process(target=vllm_procs.worker, args=(child,), name=f"vllm-rank-{rank}")
+        process.start()
+        remotes.append(RemoteRunner(conn, process))
+    yield remotes
+    for remote in remotes:
+        remote.send("exit")
+    for remote in remotes:
+        assert remote.receive("exit") == "exited"
+        remote.process.join(vllm_procs.TIMEOUT_S)
+        assert remote.process.exitcode == 0
 
 
 @pytest.fixture
@@ -282,3 +283,11 @@ def make_engine(model_config: ModelConfig) -> Iterator[Any]:
         engine.close()
         leftovers = list(Path("/dev/shm").glob(f"kvtier_{engine.engine_id}*"))
         assert not leftovers, f"the engine left {leftovers} behind"
+
+
+def _computed(req_id: str, out: Any) -> int:
+    for new in out.scheduled_new_reqs:
+        if new.req_id == req_id:
+            return int(new.num_computed_tokens)
+    cached = out.scheduled_cached_reqs
+    return int(cached.num_computed_tokens[cached.req_ids.index(req_id)])

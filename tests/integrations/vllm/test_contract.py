@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.v1.kv_offload import base as vllm_base
@@ -21,6 +22,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvtier
+from kvtier.config import storage_namespace
 from kvtier.integrations import vllm as integration
 from kvtier.integrations.vllm import KVTierOffloadingSpec, KVTierSlots
 
@@ -108,9 +110,17 @@ def test_bad_settings_fail_at_start_naming_the_key(engine_id, extra, message):
         KVTierOffloadingSpec(offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20, **extra}))
 
 
-def test_more_than_one_kv_group_is_refused_with_one_clear_message(engine_id):
-    with pytest.raises(ValueError, match="supports models with one KV-cache group; this one has 2"):
-        KVTierOffloadingSpec(offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}, groups=2))
+def test_kv_groups_are_part_of_the_storage_namespace(engine_id):
+    def namespace(groups):
+        spec = KVTierOffloadingSpec(
+            offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}, groups=groups)
+        )
+        return storage_namespace(spec.kvtier_config, spec.kvtier_spec.geometry)
+
+    # One group: the namespace a model without groups always had.
+    assert ";dtype=float16;" in namespace(1)
+    # Two groups of one 16-token layer each: their chunks never mix with one group's.
+    assert ";dtype=float16;groups=16x1,16x1;" in namespace(2)
 
 
 def test_every_lookup_result_maps_to_vllms():
@@ -257,3 +267,20 @@ def test_config_info_fills_the_declared_labels(make_engine):
     [info] = engine.manager.config_info()
     assert set(info) == set(KVTierOffloadingSpec.config_info_keys({}))
     assert info["blocks_per_chunk"] == 2 and info["tiers"] == "none"
+
+
+def test_a_group_whose_pages_overrun_its_shared_tensor_is_refused_naming_it(engine_id):
+    # Group 1's layer sits at group 0's address with larger pages (a packed layout):
+    # copying its pages would run into the next tensor's part of the slot.
+    spec = KVTierOffloadingSpec(
+        offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}, groups=2)
+    )
+    caches = vllm_base.CanonicalKVCaches(
+        tensors=[vllm_base.CanonicalKVCacheTensor(torch.zeros((8, 1024), dtype=torch.int8), 1024)],
+        group_data_refs=[
+            [vllm_base.CanonicalKVCacheRef(0, 1024)],
+            [vllm_base.CanonicalKVCacheRef(0, 2048)],
+        ],
+    )
+    with pytest.raises(ValueError, match=r"KV-cache group 1 \(full attention, layers l1\)"):
+        spec.get_worker(caches)

@@ -160,3 +160,122 @@ def test_hits_and_loads_keep_a_prefix_in_the_primary_tier(make_engine):
         engine.run()
     assert engine.cached_at_start["A last"] == 4 * TOKENS_PER_BLOCK
     assert engine.cached_at_start["B last"] == 0
+
+
+# A hybrid model's sliding-window layers see the last 40 tokens: their group keeps
+# three 16-token blocks of a request (vLLM's null block stands for the older ones).
+WINDOW = 40
+
+
+def record_loads(engine) -> list:
+    """The kvtier worker's loads from now on: how each divided among the groups."""
+    splits: list = []
+    kvtier_worker = engine.worker.connector_worker.worker.kvtier
+    submit_load = kvtier_worker.submit_load
+
+    def record(*args, **kwargs):
+        splits.append(kwargs.get("groups"))
+        return submit_load(*args, **kwargs)
+
+    kvtier_worker.submit_load = record
+    return splits
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+@pytest.mark.parametrize("tiers", ["primary", "fs"])
+def test_a_hybrid_models_groups_load_back_byte_exact(
+    make_engine, tmp_path, tiers, blocks_per_chunk
+):
+    # Each group's tokens hold bytes of their own: a chunk of one group loaded into the
+    # other's blocks, or a window block missing, fails the byte check.
+    extra = {**tier_config(tiers, tmp_path), "blocks_per_chunk": blocks_per_chunk}
+    engine = make_engine(extra, sliding_window=WINDOW)
+    shared = prompt(21, 8)
+    engine.add("first", [*shared, 5, 6, 7])
+    engine.run()
+    if tiers == "fs":
+        engine.drain_tiers()
+        engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.wipe_gpu()
+    splits = record_loads(engine)
+    engine.add("second", [*shared, 9, 9, 9, 9])
+    engine.run()
+    assert engine.cached_at_start["second"] == 8 * TOKENS_PER_BLOCK
+    # Full attention loads all 8 blocks; the window group only the 3 it keeps, from
+    # the middle of a chunk when chunks are 2 blocks (its blocks 5-7).
+    [split] = splits
+    assert list(split.sizes) == [8, 3]
+    assert list(split.skips) == [0, 1 if blocks_per_chunk == 2 else 0]
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_a_hybrid_model_hits_what_vllms_own_cpu_spec_hits(make_engine, blocks_per_chunk):
+    # The same requests through kvtier and through vLLM's CPUOffloadingSpec (its
+    # scheduler side; its worker needs a GPU): every request finds as many tokens.
+    def run(extra, **kwargs):
+        engine = make_engine(
+            {**extra, "cpu_bytes_to_use": PRIMARY_BYTES, "blocks_per_chunk": blocks_per_chunk},
+            sliding_window=WINDOW,
+            **kwargs,
+        )
+        base = prompt(30, 9)
+        engine.add("store", [*base, 1])
+        engine.run()
+        engine.wipe_gpu()
+        longer = [*base, *prompt(31, 3)]
+        for name, tokens in [
+            ("all", [*base, 2, 2]),
+            ("longer", [*longer, 3]),
+            ("longer again", [*longer, 4, 4]),
+            # The window group keeps only the chunks a load can reach: those before
+            # a stored prompt's end; a prompt sharing a shorter head hits nothing.
+            ("head", [*base[: 5 * TOKENS_PER_BLOCK], *prompt(32, 3)]),
+            ("other", prompt(33, 4)),
+        ]:
+            engine.wipe_gpu()
+            engine.add(name, tokens)
+            engine.run()
+        return engine.cached_at_start
+
+    kvtier_hits = run({})
+    vllm_hits = run({"spec_name": "CPUOffloadingSpec"}, copies=False)
+    assert kvtier_hits == vllm_hits
+
+    def whole_chunks(blocks):
+        return blocks // blocks_per_chunk * blocks_per_chunk * TOKENS_PER_BLOCK
+
+    assert kvtier_hits["all"] == kvtier_hits["longer"] == whole_chunks(9)
+    assert kvtier_hits["longer again"] == whole_chunks(12)
+    assert kvtier_hits["head"] == kvtier_hits["other"] == 0
+
+
+@pytest.mark.parametrize(
+    ("tiers", "window"),
+    [("primary", None), ("fs", None), ("primary", WINDOW)],
+    ids=["primary", "fs", "hybrid"],
+)
+def test_two_tensor_parallel_ranks_each_load_back_their_own_bytes(
+    make_engine, worker_processes, tmp_path, tiers, window
+):
+    # Two worker processes, each with KV bytes of its own (salted by its rank), share
+    # the engine's primary region: each copies only its column of every slot, vLLM
+    # counts a job done once both reported it, and a rank that got the other's bytes,
+    # or its own from another slot, fails the byte check in its process.
+    engine = make_engine(
+        tier_config(tiers, tmp_path), workers=worker_processes, sliding_window=window
+    )
+    shared = prompt(41, 6)
+    engine.add("first", [*shared, 5, 6, 7])
+    engine.run()
+    if tiers == "fs":
+        engine.drain_tiers()
+        engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.wipe_gpu()
+    engine.add("second", [*shared, 9, 9, 9, 9])
+    engine.run()
+    assert engine.cached_at_start["second"] == 6 * TOKENS_PER_BLOCK
+    assert engine.finished == {"first", "second"}
+    # The region's rows hold both ranks' columns: twice one rank's bytes per chunk.
+    spec = engine.manager.spec
+    assert spec.geometry.chunk_bytes >= 2 * spec.geometry.column_bytes
+    assert spec.config.world_size == 2
