@@ -185,7 +185,7 @@ def test_plan_shows_every_effective_value_defaults_included(tmp_path):
         assert fields_of(RunnerSettings) <= set(tier)
         assert tier["max_concurrent_jobs"] == 8 and tier["lookup_timeout_s"] == 5.0
     # A local tier promotes a bounded number of chunks at once, a remote one does not.
-    assert (fs["max_promotion_chunks"], p2p["max_promotion_chunks"]) == (8, None)
+    assert (fs["max_promotion_chunks"], p2p["max_promotion_chunks"]) == (32, None)
     for tier, settings_class in ((fs, FsSettings), (p2p, PeerSettings), (s3, S3Settings)):
         assert set(tier["settings"]) == fields_of(settings_class)
     # What each tier derives when it is built, not the null that stands for "derive it":
@@ -195,7 +195,7 @@ def test_plan_shows_every_effective_value_defaults_included(tmp_path):
 
     text = plan(tmp_path, {"secondary_tiers": tiers})
     assert text.returncode == 0, text.stderr
-    for row in ("max_promotion_chunks +8", "job_deadline_s +8.0", "max_frame_bytes +2\\d\\d,"):
+    for row in ("max_promotion_chunks +32", "job_deadline_s +8.0", "max_frame_bytes +2\\d\\d,"):
         assert re.search(rf"^  {row}", text.stdout, re.MULTILINE), row
     assert re.search(r"^offload_prompt_only +true$", text.stdout, re.MULTILINE)
 

@@ -26,7 +26,7 @@ from kvtier.policies.factory import CachePolicyFactory
 from kvtier.tiering.backpressure import DEFAULT_MARKS, BackpressureSettings
 from kvtier.tiering.manager import TierOptions
 from kvtier.tiering.runner import RunnerSettings
-from kvtier.tiers._depth import DEFAULT_START_DEPTH
+from kvtier.tiers._depth import DEFAULT_MAX_DEPTH
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.factory import SecondaryTierFactory
 
@@ -41,13 +41,15 @@ __all__ = [
 DEFAULT_EVICTION_POLICY = "lru"
 
 # Chunks a local tier (fs) promotes at once before further promotion jobs wait: twice
-# the depth the fs tier's reads start at. A job is shared by all of the tier's read
-# threads, so one 16-chunk job keeps the disk as busy as several, and jobs that share
-# the disk all finish late (benchmarks/serving_path.py: at 1 GiB, one job at a time
-# read at 1.07 of raw with job times p50 43 ms, two at a time at 0.85 with p50 85 ms);
-# short jobs still run several at once. Remote tiers wait on round trips rather than a
-# device: they run as many jobs as max_concurrent_jobs allows.
-LOCAL_PROMOTION_CHUNKS = 2 * DEFAULT_START_DEPTH
+# the deepest its reads may go, so the read depth can climb to its maximum and the next
+# request's job is already reading when the last one's final reads land (the gap
+# between one job's end and the next one's start would leave the disk idle). Jobs still
+# start in request order, so the request admitted first finishes first. Measured with
+# benchmarks/vs_vllm.py (2 GiB of 2 MiB chunks, 16-chunk requests, 16 waiting): 32
+# promoted 1.07-1.10 GB/s with request wait p99 332-346 ms, against 1.00-1.04 GB/s and
+# 394-397 ms at 8. Remote tiers wait on round trips rather than a device: they run as
+# many jobs as max_concurrent_jobs allows.
+LOCAL_PROMOTION_CHUNKS = 2 * DEFAULT_MAX_DEPTH
 
 _RUNNER_DEFAULTS = RunnerSettings()
 

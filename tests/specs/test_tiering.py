@@ -179,7 +179,7 @@ def test_example_tier_is_the_built_in_example():
 @pytest.mark.parametrize(
     ("tier", "expected"),
     [
-        ({"type": "example"}, 8),
+        ({"type": "example"}, 32),
         ({"type": "example", "locality": "remote"}, None),
         ({"type": "example", "max_promotion_chunks": 3}, 3),
         ({"type": "example", "locality": "remote", "max_promotion_chunks": 32}, 32),
