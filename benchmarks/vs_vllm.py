@@ -13,8 +13,9 @@ The runs alternate (vLLM, kvtier, vLLM, kvtier, ...), ``--runs`` of each, each i
 directory, so that the disk's drift falls on both alike; the table shows the medians.
 
 1. Raw reference: ``kvtier.bench.physical.measure_disk`` over as many one-chunk files as
-   the workload stores, the better of 1 and ``--raw-threads`` threads writing them and
-   reading them back cold, with O_DIRECT where the filesystem takes it.
+   the workload stores, spread over subdirectories as the tiers spread theirs, the best
+   of 1, 4, ``--raw-threads`` and twice that many threads writing them and reading them
+   back cold, with O_DIRECT where the filesystem takes it.
 2. Each run, stores: ``--data-gib`` of distinct chunks, each holding a pattern derived
    from its key, as requests of ``--job-chunks`` chunks, one new request per step
    (``on_new_request``, ``prepare_store``, the worker's copy, ``complete_store``); the
@@ -872,6 +873,12 @@ def summarize(
     return rounded(out)
 
 
+def raw_depths(threads: int) -> list[int]:
+    """The thread counts the raw reference is measured at: from one to twice vLLM's
+    (``threads``), so that it is the disk's best at any depth, not at the tiers' own."""
+    return sorted({1, 4, threads, 2 * threads})
+
+
 def o_direct_works(directory: Path) -> bool:
     """Whether ``directory`` takes O_DIRECT I/O, as vLLM's fs tier probes it."""
     from vllm.v1.kv_offload.tiering.fs.io import probe_o_direct
@@ -893,7 +900,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     def raw(name: str) -> common.DiskLimits:
         return common.measure_disk(
-            root / name, count, chunk, depths=(args.raw_threads,), direct=direct
+            root / name, count, chunk, depths=raw_depths(args.raw_threads), direct=direct
         )
 
     before = raw("raw-before")
@@ -910,6 +917,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "page_cache": page_cache,
         "raw_o_direct": direct,
         "raw_threads": args.raw_threads,
+        "raw_depths": raw_depths(args.raw_threads),
         "vllm_io_path": vllm_io_path(),
         "fs_io_extension": extension,
         "runs": args.runs,
@@ -951,7 +959,7 @@ def report(figures: dict[str, Any]) -> str:
         shown.append("-" if ratio is None else f"{ratio:.2f}")
         print(f"  {label:<26}" + "".join(f"{cell:>14}" for cell in shown))
     print(
-        f"  raw disk (best of 1 and {figures['raw_threads']} threads, "
+        f"  raw disk (best of {', '.join(map(str, figures['raw_depths']))} threads, "
         f"{figures['chunk_bytes'] / common.MIB:g} MiB I/Os, O_DIRECT {figures['raw_o_direct']}): "
         + ", ".join(
             f"{way} {figures[f'raw_{way}_gbps']:.2f} GB/s (before "

@@ -36,6 +36,8 @@ __all__ = [
 ]
 
 _HEADER = 4096
+#: As many as the fs tier spreads its chunk files over.
+_SUBDIRECTORIES = 256
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,11 @@ def _one_pass(directory: Path, count: int, chunk: int, threads: int, direct: boo
     # Page-aligned buffers: O_DIRECT needs them, as kvtier's region rows are.
     source = mmap.mmap(-1, _HEADER + chunk)
     source[_HEADER:] = os.urandom(chunk)
-    paths = [directory / f"{i:06d}.raw" for i in range(count)]
+    # Spread over subdirectories as the fs tier's files are: threads creating files in
+    # one directory queue on its lock, and the reference would fall below the tiers.
+    paths = [directory / f"{i % _SUBDIRECTORIES:02x}" / f"{i:06d}.raw" for i in range(count)]
+    for path in {path.parent for path in paths}:
+        path.mkdir()
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (getattr(os, "O_DIRECT", 0) if direct else 0)
 
     def write(path: Path) -> None:
