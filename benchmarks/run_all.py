@@ -511,15 +511,16 @@ def main() -> None:
     hints = {"vllm": vllm_hint, "vs-vllm": vllm_hint}
     named = args.only.split(",") if args.only else list(sections)
     wanted = list(dict.fromkeys(key for name in named for key in groups.get(name, [name])))
-    document = DOCUMENT.read_text()
     for key in wanted:
         section = sections.get(key)
         if section is None:
             print(f"skipping {key}: {hints.get(key, 'not available here')}", flush=True)
             continue
         name, body = section(args.root, args.quick)
-        document = replace_block(document, name, body)
-        DOCUMENT.write_text(document)  # keep what finished even if a later one fails
+        # Read now, not at the start: the text around the blocks may have been edited
+        # while the benchmarks ran. Written per section, so that what finished is kept
+        # even if a later one fails.
+        DOCUMENT.write_text(replace_block(DOCUMENT.read_text(), name, body))
     print(f"updated {DOCUMENT}")
 
 
