@@ -254,8 +254,8 @@ def vs_vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
         f"Command: `{display(command)}` ({TODAY}; medians of {r['runs']} alternating runs "
         f"each; page cache {r['page_cache']}; vLLM's fs I/O {r['vllm_io_path']}, O_DIRECT "
         f"{vllm_fs['o_direct']}; kvtier's fs O_DIRECT {r['kvtier_fs']['o_direct']}; raw: "
-        f"best of 1 and {r['raw_threads']} threads, O_DIRECT {r['raw_o_direct']})\n\n"
-        + table(["figure", "vLLM", "kvtier", "kvtier / vLLM"], rows)
+        f"best of {', '.join(map(str, r['raw_depths']))} threads, O_DIRECT "
+        f"{r['raw_o_direct']})\n\n" + table(["figure", "vLLM", "kvtier", "kvtier / vLLM"], rows)
     )
     return "vs-vllm", text
 
