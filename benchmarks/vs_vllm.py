@@ -85,7 +85,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import common
 import torch
-from serving_path import Copy, CopyThread
+from serving_path import CopyThread, Scheduler
 
 from kvtier.records import TransferResult
 
@@ -472,28 +472,27 @@ class Figures:
     steps: int = 0
 
 
-class Driver:
+class Driver(Scheduler):
     """The scheduler's side, through vLLM's ``OffloadingManager`` interface.
 
     Each step holds ``manager.lock`` once for its manager calls (as vLLM's connector
     holds it from its first lookup to ``on_schedule_end``), then asks ``get_stats`` in
-    a hold of its own, as vLLM's scheduler does each step.
+    a hold of its own, as vLLM's scheduler does each step. The copies go to the worker
+    thread and come back as serving_path.py's scheduler sends and takes them.
     """
 
     def __init__(self, side: Side, copier: CopyThread, args: argparse.Namespace) -> None:
+        super().__init__(
+            side.manager,
+            copier,
+            args.job_chunks,
+            args.in_flight,
+            args.timeout_s,
+            args.idle_ms / 1e3,
+        )
         self.side = side
-        self.manager = side.manager
-        self.copier = copier
-        self.job_chunks = args.job_chunks
-        self.in_flight = args.in_flight
-        self.timeout_s = args.timeout_s
-        self.idle_s = args.idle_ms / 1e3
         self.figures = Figures()
         self.stats = OffloadingConnectorStats()
-        self._job_ids = 0
-
-    def blocks_of(self, group: int) -> list[int]:
-        return list(range(group * self.job_chunks, (group + 1) * self.job_chunks))
 
     def store_all(self, requests: Sequence[list[OffloadKey]]) -> None:
         """Store ``requests``, one new one per step, until every file is on the fs tier."""
@@ -581,37 +580,6 @@ class Driver:
                 f"unreadable after {self.timeout_s:g} s"
             )
         return False
-
-    def _send(
-        self,
-        store: bool,
-        req: ReqContext,
-        keys: list[OffloadKey],
-        blocks: list[int],
-        chunk_ids: list[int],
-        group: int,
-    ) -> None:
-        self._job_ids += 1
-        self.copier.inbox.put(Copy(self._job_ids, store, req, keys, blocks, chunk_ids, group))
-
-    def _take_copies(self, free: deque[int]) -> bool:
-        """Complete the requests whose copies the worker reported; whether there were any."""
-        if self.copier.error is not None:
-            raise RuntimeError("the worker thread failed") from self.copier.error
-        manager, figures, took = self.manager, self.figures, False
-        while not self.copier.outbox.empty():
-            copied = self.copier.outbox.get_nowait()
-            copy, success = copied.copy, copied.result.success
-            figures.copy_failures += not success
-            if copy.store:
-                manager.complete_store(copy.keys, copy.req, success)
-            else:
-                figures.mismatches += copied.wrong + (0 if success else len(copy.keys))
-                manager.complete_load(copy.keys, copy.req)
-            manager.on_request_finished(copy.req)
-            free.append(copy.group)
-            took = True
-        return took
 
     def _end_step(self, progressed: bool) -> None:
         with self.manager.lock:
