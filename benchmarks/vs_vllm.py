@@ -85,7 +85,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import common
 import torch
-from serving_path import CopyThread, Scheduler
+from serving_path import CopyThread, Scheduler, Waiting
 
 from kvtier.records import TransferResult
 
@@ -451,16 +451,6 @@ class RowCopier:
 
 
 # ------------------------------------------------------------------------ the driver
-
-
-@dataclass
-class Waiting:
-    """A load request the driver looks up step after step."""
-
-    req: ReqContext
-    keys: list[OffloadKey]
-    group: int
-    admitted: float
 
 
 @dataclass

@@ -455,13 +455,7 @@ class OffloadingWorker(BlockingResource):
                 f"the groups' blocks span {slot} chunk(s) of {bpc} block(s), "
                 f"but {len(slot_values)} chunk_ids were given"
             )
-        _check_range("chunk_ids", slot_values, layout.num_chunks)
-        _check_range("gpu_block_ids", gpu_values, layout.num_gpu_blocks)
-        written, name = (
-            (slot_values, "chunk_ids") if direction == STORE else (gpu_values, "gpu_block_ids")
-        )
-        if len(set(written)) != len(written):
-            raise ValueError(f"{name} of a {direction} must not repeat an id")
+        _check_targets(direction, layout, gpu_values, slot_values)
         return parts, nbytes, len(slot_values)
 
     def _check_ids(
@@ -494,15 +488,7 @@ class OffloadingWorker(BlockingResource):
                 f"{-(-(skip_blocks + gpu_ids.numel()) // bpc)} chunk(s) of {bpc} block(s), "
                 f"but {slots.numel()} chunk_ids were given"
             )
-        _check_range("chunk_ids", slot_values, layout.num_chunks)
-        _check_range("gpu_block_ids", gpu_values, layout.num_gpu_blocks)
-        # A store writing one slot twice, or a load writing one GPU block twice, would
-        # leave bytes that depend on copy order.
-        written, name = (
-            (slot_values, "chunk_ids") if direction == STORE else (gpu_values, "gpu_block_ids")
-        )
-        if len(set(written)) != len(written):
-            raise ValueError(f"{name} of a {direction} must not repeat an id")
+        _check_targets(direction, layout, gpu_values, slot_values)
         return gpu_ids, slots, gpu_values, slot_values
 
     def _copy_partial_chunks(
@@ -547,6 +533,20 @@ def _as_ids(name: str, ids: BlockIds) -> tuple[torch.Tensor, list[int]]:
         raise ValueError(f"{name} must be one-dimensional, got shape {tuple(tensor.shape)}")
     values: list[int] = tensor.tolist()
     return tensor, values
+
+
+def _check_targets(
+    direction: str, layout: ColumnLayout, gpu_values: list[int], slot_values: list[int]
+) -> None:
+    """Every id in range, and none written twice: a store writing one slot twice, or a
+    load writing one GPU block twice, would leave bytes that depend on copy order."""
+    _check_range("chunk_ids", slot_values, layout.num_chunks)
+    _check_range("gpu_block_ids", gpu_values, layout.num_gpu_blocks)
+    written, name = (
+        (slot_values, "chunk_ids") if direction == STORE else (gpu_values, "gpu_block_ids")
+    )
+    if len(set(written)) != len(written):
+        raise ValueError(f"{name} of a {direction} must not repeat an id")
 
 
 def _check_range(name: str, ids: list[int], limit: int) -> None:
