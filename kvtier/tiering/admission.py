@@ -3,7 +3,7 @@
 A secondary-tier hit is worth promoting only if the chunk reaches the primary tier
 before the host could have recomputed it. The host says what recomputing costs
 (seconds of prefill per chunk: ``recompute_s_per_chunk`` in the configuration, or
-:meth:`~kvtier.tiering.manager.TieringOffloadingManager.set_recompute_cost` as it
+:meth:`~kvtier.tiering.host.HostAccess.set_recompute_cost` as it
 measures); kvtier learns what a promotion costs from its own jobs. For a request asking
 a tier for its n-th chunk of the step, the promotion's estimate is the tier's measured
 seconds per chunk times the chunks ahead of it (in flight, and queued for the requests
@@ -13,12 +13,15 @@ later is answered as a miss and counted.
 
 Seconds per chunk are a moving average of finished promotion jobs (job time over the
 chunks it moved; a job that timed out counts with its time-out). Until a tier has
-finished a job there is nothing to go by, and its hits are promoted.
+finished a job there is nothing to go by, and its hits are promoted; so too once its
+last finished job is older than :data:`STALE_AFTER_S`, since a tier that loses gets no
+jobs that would notice it recover.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 __all__ = ["PromotionCosts"]
 
@@ -26,15 +29,27 @@ __all__ = ["PromotionCosts"]
 # so a tier that slows down (a throttled link, a busy disk) is noticed within a few
 # requests, and one slow job does not turn a fast tier off.
 _ALPHA = 0.3
+# A tier found slower than recomputing gets no promotions, so nothing measures it again:
+# a measurement this old is forgotten, and the tier's next hit is promoted and measured.
+# A link that recovered is noticed within a minute; one that did not costs one request
+# in a minute the wait for one promotion (bounded by the host's deadline).
+STALE_AFTER_S = 60.0
 
 
 class PromotionCosts:
     """Measured promotion cost per tier, and the host's recompute cost."""
 
-    def __init__(self, tiers: int, recompute_s_per_chunk: float | None = None) -> None:
+    def __init__(
+        self,
+        tiers: int,
+        recompute_s_per_chunk: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.recompute_s_per_chunk = recompute_s_per_chunk
         #: Seconds per chunk of each tier's promotion jobs; None before the first.
         self.per_chunk_s: list[float | None] = [None] * tiers
+        self._measured_at = [0.0] * tiers
+        self._clock = clock
 
     def job_done(self, tier: int, seconds: float, chunks: int) -> None:
         """A promotion job of ``tier`` moved ``chunks`` chunks in ``seconds``."""
@@ -45,11 +60,17 @@ class PromotionCosts:
         self.per_chunk_s[tier] = (
             sample if current is None else current + _ALPHA * (sample - current)
         )
+        self._measured_at[tier] = self._clock()
 
     def weighs(self, tier: int) -> bool:
         """Whether promotions from ``tier`` are weighed at all: the host gave its cost
         and the tier has finished a promotion job."""
-        return self.recompute_s_per_chunk is not None and self.per_chunk_s[tier] is not None
+        if self.recompute_s_per_chunk is None or self.per_chunk_s[tier] is None:
+            return False
+        if self._clock() - self._measured_at[tier] > STALE_AFTER_S:
+            self.per_chunk_s[tier] = None
+            return False
+        return True
 
     def loses(self, tier: int, ahead: int, own: int) -> bool:
         """Whether promoting one more chunk from ``tier`` would take longer than

@@ -11,6 +11,7 @@ from tiering_helpers import HIT, MISS, PENDING, evict_all, fill, opened, resolve
 
 from kvtier import ReqContext
 from kvtier.metrics import Names
+from kvtier.tiering.admission import STALE_AFTER_S, PromotionCosts
 
 pytestmark = pytest.mark.anyio
 
@@ -126,3 +127,18 @@ def test_the_skip_counter_is_a_tiering_metric():
     from kvtier.metrics import tiering_metric_definitions
 
     assert Names.SKIPPED_SLOWER_THAN_RECOMPUTE in tiering_metric_definitions()
+
+
+def test_a_tier_judged_too_slow_is_measured_again_once_its_measure_is_stale():
+    now = [0.0]
+    costs = PromotionCosts(1, recompute_s_per_chunk=0.01, clock=lambda: now[0])
+    assert not costs.weighs(0)  # nothing measured: promote, and measure
+    costs.job_done(0, seconds=1.0, chunks=1)
+    assert costs.weighs(0) and costs.loses(0, ahead=0, own=0)
+    now[0] += STALE_AFTER_S / 2
+    assert costs.loses(0, ahead=0, own=0)  # still fresh: no promotion goes
+    now[0] += STALE_AFTER_S
+    # Nothing measured it since: its next hit is promoted, so a recovered link shows.
+    assert not costs.weighs(0)
+    costs.job_done(0, seconds=0.001, chunks=1)
+    assert costs.weighs(0) and not costs.loses(0, ahead=0, own=0)
