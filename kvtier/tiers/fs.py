@@ -90,6 +90,10 @@ _MAX_DEPTH = 256
 AUTO: Literal["auto"] = "auto"
 # Temporary files older than this belong to writers that died; younger ones may be live.
 STALE_TMP_S = 3600.0
+# A load refreshes its file's modification time (what orders eviction after a restart)
+# only when it is older than this: the refresh is a metadata write, journaled, on every
+# promotion otherwise, and an order to the minute is all a restart needs.
+MTIME_REFRESH_S = 60.0
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -560,14 +564,14 @@ class FileSystemTier(SecondaryTier):
         path = self.path_of(key)
         expected = HEADER_BYTES + len(row)
         try:
-            size, got, header = self._read_into(path, row, expected, self.o_direct)
+            stat, got, header = self._read_into(path, row, expected, self.o_direct)
         except FileNotFoundError:
             return MISSING
-        if got < expected or size != expected:
+        if got < expected or stat.st_size != expected:
             problem: str | None = "truncated file" if got < expected else "trailing bytes"
         else:
             problem = self._format.verify(memoryview(header), key, row)
-        if problem is None:
+        if problem is None and time.time() - stat.st_mtime > MTIME_REFRESH_S:
             # Loads refresh the modification time: it orders eviction after a restart.
             with contextlib.suppress(OSError):
                 os.utime(path)
@@ -576,8 +580,8 @@ class FileSystemTier(SecondaryTier):
     @staticmethod
     def _read_into(
         path: Path, row: memoryview, expected: int, direct: bool
-    ) -> tuple[int, int, mmap.mmap | bytearray]:
-        """Read a chunk file's header and payload (into ``row``); its size, the bytes
+    ) -> tuple[os.stat_result, int, mmap.mmap | bytearray]:
+        """Read a chunk file's header and payload (into ``row``); its status, the bytes
         read and the header.
 
         With ``direct`` the bytes go from the device straight into the region's slot,
@@ -590,11 +594,11 @@ class FileSystemTier(SecondaryTier):
         fd = os.open(path, flags)
         header = aligned_header() if direct else bytearray(HEADER_BYTES)
         try:
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
             got = read_all(fd, [memoryview(header), row], expected)
         finally:
             os.close(fd)
-        return size, got, header
+        return stat, got, header
 
     def _forget(self, keys: Sequence[OffloadKey]) -> None:
         if not keys:

@@ -45,12 +45,14 @@ class LeaseStall(Stall):
 
     The kernel reports a blocked opener by starting to break the lease, which
     ``F_GETLEASE`` shows; a read that went through refreshes the file's modification
-    time (the fs tier's recency mark), or removes the file if it failed verification.
+    time (the fs tier's recency mark, refreshed when older than a minute: the stall
+    makes it older first), or removes the file if it failed verification.
     """
 
     def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = path
+        os.utime(path, (0, 0))
         self.mtime = path.stat().st_mtime_ns
         self._was_reached = False
         self._released = False

@@ -10,6 +10,7 @@ import logging
 import multiprocessing
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import fs_procs
@@ -19,7 +20,7 @@ from helpers import damaged, keys, store_all, tiering_config
 
 from kvtier import ConfigError, KVTier, ReqContext
 from kvtier.metrics import Names
-from kvtier.tiers.fs import FileSystemTier
+from kvtier.tiers.fs import MTIME_REFRESH_S, FileSystemTier
 
 pytestmark = pytest.mark.anyio
 
@@ -195,6 +196,23 @@ async def test_least_recently_used_order_survives_a_restart(engine_id, tmp_path)
         remaining = {p.stem for p in chunk_files(tmp_path)}
         assert ks[0].hex() not in remaining
         assert {k.hex() for k in ks[1:]} <= remaining
+
+
+async def test_a_load_refreshes_the_time_of_a_file_only_once_it_is_old(engine_id, tmp_path):
+    ks = keys("touch", 2)
+    async with KVTier(fs_config(engine_id, tmp_path), [kv_tensor()]) as kv:
+        await store_all(kv, ks)
+        tier = fs_tier(kv)
+        # A metadata write per promotion would cost a journal write each: a file read
+        # within the last minute keeps its time, which orders eviction well enough.
+        old, recent = time.time() - 10 * MTIME_REFRESH_S, time.time() - MTIME_REFRESH_S / 2
+        for key, stamp in zip(ks, (old, recent), strict=True):
+            os.utime(tier.path_of(key), (stamp, stamp))
+        await kv.reset()
+        assert await kv.lookup(ks, "r") == 2  # both promoted from the fs tier
+        kv.finish("r")
+        assert tier.path_of(ks[0]).stat().st_mtime > old + MTIME_REFRESH_S
+        assert tier.path_of(ks[1]).stat().st_mtime == pytest.approx(recent)
 
 
 async def test_two_processes_writing_the_same_keys_leave_whole_files(engine_id, tmp_path):
