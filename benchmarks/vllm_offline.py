@@ -226,16 +226,27 @@ def end_step(
     finished_sending, finished_recving = worker.get_finished(out.finished_req_ids)
     worker_meta = worker.build_connector_worker_meta()
     worker.clear_connector_metadata()
+    return runner_output(
+        out,
+        sampled,
+        KVConnectorOutput(
+            finished_sending=finished_sending or None,
+            finished_recving=finished_recving or None,
+            kv_connector_worker_meta=worker_meta,
+        ),
+    )
+
+
+def runner_output(
+    out: SchedulerOutput, sampled: dict[str, list[int]], connector: KVConnectorOutput
+) -> ModelRunnerOutput:
+    """The model runner's output for ``out``: the tokens sampled, and the connector's."""
     req_ids = list(out.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
         sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
-        kv_connector_output=KVConnectorOutput(
-            finished_sending=finished_sending or None,
-            finished_recving=finished_recving or None,
-            kv_connector_worker_meta=worker_meta,
-        ),
+        kv_connector_output=connector,
     )
 
 
@@ -249,12 +260,10 @@ def end_step_without_copies(
     assert isinstance(meta, OffloadingConnectorMetadata)
     completed = dict.fromkeys([*meta.load_jobs, *meta.store_jobs], 1)
     finished_recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
-    req_ids = list(out.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
-        kv_connector_output=KVConnectorOutput(
+    return runner_output(
+        out,
+        sampled,
+        KVConnectorOutput(
             finished_recving=finished_recving or None,
             kv_connector_worker_meta=(
                 OffloadingWorkerMetadata(completed_jobs=completed) if completed else None
