@@ -52,6 +52,13 @@ with warnings.catch_warnings():
         KVCacheTensor,
         SlidingWindowSpec,
     )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
@@ -78,6 +85,7 @@ __all__ = [
     "end_step_without_copies",
     "engine_config",
     "model_config",
+    "offloading_config",
     "one_group_kv_cache",
     "overlaid_kv_cache",
     "scheduler",
@@ -233,6 +241,46 @@ def end_step(
             finished_sending=finished_sending or None,
             finished_recving=finished_recving or None,
             kv_connector_worker_meta=worker_meta,
+        ),
+    )
+
+
+def offloading_config(
+    engine_id: str,
+    extra: dict[str, Any],
+    *,
+    worker_kv_bytes_per_block: int,
+    groups: int = 1,
+    tokens_per_block: int = 16,
+    blocks_per_chunk: int = 1,
+    model: str = "tiny",
+) -> OffloadingConfig:
+    """vLLM's normalized offloading config for one worker of one engine (no parallelism):
+    what ``OffloadingSpecFactory.create_spec`` takes, without an engine around it."""
+    return OffloadingConfig(
+        groups=tuple(
+            OffloadingGroupConfig(tokens_per_block, (f"model.layers.{i}.self_attn.attn",), i)
+            for i in range(groups)
+        ),
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name=model, dtype="float16"),
+        cache=OffloadingCacheConfig(
+            tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk
+        ),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
         ),
     )
 

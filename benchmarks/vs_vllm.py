@@ -86,6 +86,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import common
 import torch
 from serving_path import CopyThread, Scheduler, Waiting
+from vllm_offline import offloading_config
 
 from kvtier.records import TransferResult
 
@@ -102,13 +103,6 @@ with warnings.catch_warnings():
         ReqContext,
         ScheduleEndContext,
         make_offload_key,
-    )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
     )
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
     from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics
@@ -254,36 +248,18 @@ def vllm_io_path() -> str:
 # -------------------------------------------------------------------- the two sides
 
 
-def offloading_config(engine_id: str, chunk_bytes: int, extra: dict[str, Any]) -> OffloadingConfig:
-    """vLLM's normalized config for one worker, one group, one block per chunk."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(TOKENS_PER_BLOCK, ("model.layers.0.self_attn.attn",), 0),),
-        worker_kv_bytes_per_block=chunk_bytes,
-        enable_kv_cache_events=False,
-        extra_config=extra,
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name="bench", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
-
-
 def create_spec(name: str, chunk_bytes: int, primary_bytes: int, tiers: list[Any]) -> Any:
     """``name``'s spec, as vLLM's connector creates it."""
     extra = {**SPEC_NAMES[name], "cpu_bytes_to_use": primary_bytes, "secondary_tiers": tiers}
     engine_id = f"bench-vs-{name}-{uuid.uuid4().hex[:8]}"
-    return OffloadingSpecFactory.create_spec(offloading_config(engine_id, chunk_bytes, extra))
+    config = offloading_config(
+        engine_id,
+        extra,
+        worker_kv_bytes_per_block=chunk_bytes,
+        tokens_per_block=TOKENS_PER_BLOCK,
+        model="bench",
+    )
+    return OffloadingSpecFactory.create_spec(config)
 
 
 class Side:

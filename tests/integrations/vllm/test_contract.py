@@ -8,16 +8,10 @@ import sys
 
 import pytest
 import torch
+import vllm_offline
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.v1.kv_offload import base as vllm_base
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -30,29 +24,12 @@ SPEC = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integra
 
 
 def offloading_config(engine_id, extra, *, groups=1, blocks_per_chunk=1):
-    return OffloadingConfig(
-        groups=tuple(
-            OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"l{i}",), group_id=i)
-            for i in range(groups)
-        ),
+    return vllm_offline.offloading_config(
+        engine_id,
+        {**SPEC, **extra},
         worker_kv_bytes_per_block=4096,
-        enable_kv_cache_events=False,
-        extra_config={**SPEC, **extra},
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name="tiny", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+        groups=groups,
+        blocks_per_chunk=blocks_per_chunk,
     )
 
 
@@ -282,5 +259,8 @@ def test_a_group_whose_pages_overrun_its_shared_tensor_is_refused_naming_it(engi
             [vllm_base.CanonicalKVCacheRef(0, 2048)],
         ],
     )
-    with pytest.raises(ValueError, match=r"KV-cache group 1 \(full attention, layers l1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"KV-cache group 1 \(full attention, layers model\.layers\.1\.self_attn\.attn\)",
+    ):
         spec.get_worker(caches)
