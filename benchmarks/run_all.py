@@ -206,23 +206,6 @@ def vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
     return "vllm-path", text
 
 
-#: The figures of vs_vllm.py's table, as it prints them (this script imports no
-#: benchmark: vLLM may be absent here): the JSON name (``vllm_<name>``,
-#: ``kvtier_<name>``, ``ratio_<name>``), the row's label, and the format.
-VS_VLLM_FIGURES = (
-    ("store_gbps", "store GB/s", "{:.2f}"),
-    ("promotion_gbps", "promotion GB/s", "{:.2f}"),
-    ("request_wait_p50_ms", "request wait p50 ms", "{:.0f}"),
-    ("request_wait_p99_ms", "request wait p99 ms", "{:.0f}"),
-    ("lookup_hit_ops_s", "lookup hits/s", "{:,.0f}"),
-    ("store_cycle_ops_s", "one-chunk store cycles/s", "{:,.0f}"),
-    ("store_cpu_s_per_gib", "CPU s per GiB stored", "{:.2f}"),
-    ("load_cpu_s_per_gib", "CPU s per GiB promoted", "{:.2f}"),
-    ("loop_lag_p99_ms", "loop lag p99 ms", "{:.2f}"),
-    ("mismatches", "mismatched chunks", "{}"),
-)
-
-
 def vs_vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
     """vs_vllm.py: vLLM's own tiering and kvtier's, alternating, on one workload."""
     command = [sys.executable, str(HERE / "vs_vllm.py")]
@@ -232,7 +215,7 @@ def vs_vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
         command += ["--quick"]
     r = run_json(command)
     rows = []
-    for key, label, style in VS_VLLM_FIGURES:
+    for key, label, style in r["figures"]:  # as vs_vllm.py prints them
         cells = [r.get(f"{side}_{key}") for side in ("vllm", "kvtier")]
         rows.append(
             [

@@ -48,7 +48,8 @@ The last line is one JSON object (also written to ``--json``): each figure of ea
 ``..._store_cycle_ops_s``, ``..._store_cpu_s_per_gib`` / ``_load_cpu_s_per_gib``,
 ``..._mismatches``, ``kvtier_loop_lag_p99_ms``), ``ratio_<figure>`` (kvtier over vLLM),
 ``raw_*`` and ``<side>_store_ratio`` / ``<side>_promotion_ratio`` against it,
-``page_cache``, ``vllm_io_path``, and each run's figures under ``vllm_runs`` /
+``page_cache``, ``vllm_io_path``, ``figures`` (each figure's name, label and format, for
+other reports to print), and each run's figures under ``vllm_runs`` /
 ``kvtier_runs``.
 
     .nox/vllm/bin/python benchmarks/vs_vllm.py --root /path/on/the/disk/to/measure
@@ -802,6 +803,7 @@ def summarize(
         out[f"{name}_promotion_ratio"] = sides[name]["promotion_gbps"] / raw["raw_read_gbps"]
         out[f"{name}_fs"] = runs[name][-1]["fs"]
     out |= facts
+    out["figures"] = [list(figure) for figure in FIGURES]
     for name in sides:
         out[f"{name}_runs"] = [{k: v for k, v in run.items() if k != "fs"} for run in runs[name]]
     return rounded(out)
