@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from kvtier.bench.servers import free_port
 
 HERE = Path(__file__).resolve().parent
 SERVE = HERE.parent / "examples" / "serve.py"
@@ -66,13 +67,6 @@ def handbook(rules: int) -> str:
     return "\n".join(
         ["You are the help desk of a bicycle shop. Follow the handbook below.", *lines]
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager

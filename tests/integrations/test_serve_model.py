@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 from serve import CHUNK_TOKENS
 
+from kvtier.bench.servers import free_port
+
 pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,13 +96,6 @@ def events(text: str) -> list[Any]:
         data = event.removeprefix("data: ")
         decoded.append(data if data == "[DONE]" else json.loads(data))
     return decoded
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def start_server(root: Path, *extra: str) -> Server:

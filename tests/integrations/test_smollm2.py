@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from serve import CHUNK_TOKENS, smollm2_gguf
 from transformers import DynamicCache
 
 from kvtier import KVTier
+from kvtier.bench.servers import free_port
 from kvtier.integrations.transformers import PrefixCache, cache_keyword, load_gguf, paged_layout
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
@@ -104,13 +104,6 @@ async def test_smollm2_prefix_restored_from_fs_is_bit_identical_and_continues_th
     full = generate(model, tokenizer, input_ids=ids, attention_mask=torch.ones_like(ids))
     assert torch.equal(out, full)
     assert tokenizer.decode(out[0, len(second) :], skip_special_tokens=True).strip()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def post(url: str, body: dict) -> dict:
