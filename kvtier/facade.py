@@ -219,8 +219,10 @@ class KVTier(AsyncResource):
         """How many leading ``keys`` are available, promoting them into the primary tier.
 
         Waits (without polling) while keys are being promoted or looked up in the
-        secondary tiers, at most ``timeout`` seconds: then the chunks still on their way
-        are misses for this request from now on. The leading keys found are pinned
+        secondary tiers, at most ``timeout`` seconds, and, once the host's recompute
+        cost is known (``recompute_s_per_chunk``, ``manager.host.set_recompute_cost``),
+        never longer than recomputing ``keys`` would take: then the chunks still on
+        their way are misses for this request from now on. The leading keys found are pinned
         in the primary tier for this request, so that promoting the rest of a long
         prefix cannot evict them, until :meth:`load` copies them or :meth:`finish`
         lets them go. Keys after the first miss are not looked up. A lookup that is
@@ -239,6 +241,12 @@ class KVTier(AsyncResource):
         """
         async with self._fence.operation(self._check_open):
             request = self._request(req_id)
+            # Waiting longer than recomputing could only make the request slower (a
+            # promotion from a tier not measured yet, a slow claimer).
+            recompute = self.manager.host.recompute_s_per_chunk
+            if recompute is not None:
+                bound = len(keys) * recompute
+                timeout = bound if timeout is None else min(timeout, bound)
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 hits = await self._find(keys, request, ReqContext(req_id), deadline)

@@ -404,3 +404,21 @@ async def test_claiming_keys_past_a_lookup_makes_others_wait_for_them_too(engine
         kv.finish("second")
     with pytest.raises(KVTierError, match="closed"):
         kv.claim(prefix, "third")
+
+
+async def test_a_lookup_waits_no_longer_than_recomputing_its_chunks_would_take(engine_id):
+    config = tiering_config(engine_id, [scripted("stuck", instant=True)], chunks=4)
+    async with KVTier(config, [cache()]) as kv:
+        ks = keys("bounded", 2)
+        await kv.store(ks, [0, 1], "w")
+        await kv.drain()
+        await kv.reset()
+        tier = ScriptedTier.instances["stuck"]
+        tier.gate.clear()  # the promotion never ends
+        try:
+            kv.manager.host.set_recompute_cost(0.1)
+            # Not the 600 s asked: the 0.2 s recomputing both chunks takes.
+            assert await asyncio.wait_for(kv.lookup(ks, "r", timeout=600), 30) == 0
+        finally:
+            tier.gate.set()
+        kv.finish("r")

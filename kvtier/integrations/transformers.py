@@ -221,8 +221,8 @@ class PrefixCache:
         model_config: the model's config; when given, the restored ``DynamicCache`` is
             built from it and its geometry is checked against ``layout``.
         lookup_timeout_s: how long a lookup waits for promotions (``None``: no limit);
-            once the recompute cost is known (:meth:`observe_prefill`), never longer
-            than computing the chunks looked up would take.
+            once the recompute cost is known (:meth:`observe_prefill`), the facade
+            waits no longer than computing the chunks looked up would take.
         window_chunks: most chunks restored or stored in one step; by default a
             quarter of the primary tier, at most what the pool holds.
 
@@ -401,8 +401,7 @@ class PrefixCache:
         while restored.chunks < len(keys):
             window = keys[restored.chunks : restored.chunks + self.window_chunks]
             started = time.perf_counter()
-            timeout = self._lookup_timeout(len(window))
-            hits = await self.kv.lookup(window, req_id, timeout=timeout, claim=claim)
+            hits = await self.kv.lookup(window, req_id, timeout=self.lookup_timeout_s, claim=claim)
             looked_up = time.perf_counter()
             restored.lookup_s += looked_up - started
             loaded = 0
@@ -438,17 +437,6 @@ class PrefixCache:
                 )
             restored.gather_s += time.perf_counter() - started
         return restored
-
-    def _lookup_timeout(self, chunks: int) -> float | None:
-        """How long a lookup of ``chunks`` chunks may wait: ``lookup_timeout_s``, and
-        never longer than the model would take to compute them (waiting longer could
-        only make the request slower than recomputing, e.g. for a promotion from a
-        tier kvtier has not measured yet)."""
-        recompute = self.recompute_s_per_chunk
-        if recompute is None:
-            return self.lookup_timeout_s
-        bound = chunks * recompute
-        return bound if self.lookup_timeout_s is None else min(self.lookup_timeout_s, bound)
 
     def _new_cache(self) -> Any:
         if self.model_config is None:
