@@ -221,7 +221,9 @@ class KVTier(AsyncResource):
         Waits (without polling) while keys are being promoted or looked up in the
         secondary tiers, at most ``timeout`` seconds, and, once the host's recompute
         cost is known (``recompute_s_per_chunk``, ``manager.host.set_recompute_cost``),
-        never longer than recomputing ``keys`` would take: then the chunks still on
+        never longer than recomputing ``keys`` would take, nor, for chunks promoted
+        from a tier kvtier has not measured yet, longer than a tenth of recomputing
+        them (the promotion goes on and measures the tier): then the chunks still on
         their way are misses for this request from now on. The leading keys found are pinned
         in the primary tier for this request, so that promoting the rest of a long
         prefix cannot evict them, until :meth:`load` copies them or :meth:`finish`
@@ -320,7 +322,14 @@ class KVTier(AsyncResource):
             if not found.pending:
                 break
             manager.on_schedule_end()
-            waited = await self._wait(deadline)
+            # The manager's deadline for the request: what its promotions are worth
+            # waiting for (a tier not measured yet gets a small part of it).
+            remaining = host.pending_remaining_s(req)
+            bounded = deadline
+            if remaining is not None:
+                ends = time.monotonic() + remaining
+                bounded = ends if deadline is None else min(deadline, ends)
+            waited = await self._wait(bounded)
             if request.ended:
                 return 0  # finished meanwhile: its pins are gone
             if self._fence.raised:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -404,6 +405,31 @@ async def test_claiming_keys_past_a_lookup_makes_others_wait_for_them_too(engine
         kv.finish("second")
     with pytest.raises(KVTierError, match="closed"):
         kv.claim(prefix, "third")
+
+
+async def test_a_lookup_gives_a_tier_not_measured_yet_a_tenth_of_the_recompute(engine_id):
+    config = tiering_config(engine_id, [scripted("unmeasured", instant=True)], chunks=4)
+    async with KVTier(config, [cache()]) as kv:
+        ks = keys("probed", 2)
+        await kv.store(ks, [0, 1], "w")
+        await kv.drain()
+        await kv.reset()
+        tier = ScriptedTier.instances["unmeasured"]
+        tier.gate.clear()  # the tier has become a link that does not deliver
+        try:
+            kv.manager.host.set_recompute_cost(10.0)
+            started = time.monotonic()
+            # Recomputing both chunks takes 20 s; a probe may cost a tenth of that.
+            assert await asyncio.wait_for(kv.lookup(ks, "r", timeout=600), 30) == 0
+            assert time.monotonic() - started < 10
+        finally:
+            tier.gate.set()
+        kv.finish("r")
+        await kv.drain()
+        # The promotion went on: the tier is measured, and the next request waits for
+        # it as long as recomputing would take (the chunks landed meanwhile).
+        assert await kv.lookup(ks, "next", timeout=600) == 2
+        kv.finish("next")
 
 
 async def test_a_lookup_waits_no_longer_than_recomputing_its_chunks_would_take(engine_id):

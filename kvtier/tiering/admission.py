@@ -16,12 +16,21 @@ chunks it moved; a job that timed out counts with its time-out). Until a tier ha
 finished a job there is nothing to go by, and its hits are promoted; so too once its
 last finished job is older than :data:`STALE_AFTER_S`, since a tier that loses gets no
 jobs that would notice it recover.
+
+What a wait may cost: once the host's cost is known, a request waits for its promoted
+chunks no longer than recomputing them would take, and for chunks of a tier not
+measured yet no longer than :data:`EXPLORE_SHARE` of that. Such a promotion is a probe
+whose cost nobody knows: should the tier have become a slow link, the request gives up
+early and recomputes, and the job, which goes on, measures the tier for the requests
+after it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+from kvtier.keys import OffloadKey
 
 __all__ = ["PromotionCosts"]
 
@@ -34,6 +43,11 @@ _ALPHA = 0.3
 # A link that recovered is noticed within a minute; one that did not costs one request
 # in a minute the wait for one promotion (bounded by the host's deadline).
 STALE_AFTER_S = 60.0
+# What a request may lose to a promotion from a tier not measured yet: this share of
+# the time recomputing its chunks takes. A healthy tier promotes in a small part of
+# that (a disk read of a chunk against a prefill of it), so the probe is rarely cut
+# short, and one that is measures the tier anyway.
+EXPLORE_SHARE = 0.1
 
 
 class PromotionCosts:
@@ -72,6 +86,15 @@ class PromotionCosts:
             return False
         return True
 
+    def wait_allowance(self, tier: int) -> float | None:
+        """How long a request may wait for one more chunk promoted from ``tier``:
+        recomputing it, or :data:`EXPLORE_SHARE` of that while the tier is not measured;
+        None while the host's cost is unknown (no bound)."""
+        recompute = self.recompute_s_per_chunk
+        if recompute is None:
+            return None
+        return recompute if self.weighs(tier) else EXPLORE_SHARE * recompute
+
     def loses(self, tier: int, ahead: int, own: int) -> bool:
         """Whether promoting one more chunk from ``tier`` would take longer than
         recomputing it: ``ahead`` chunks are before it on the tier (the request's
@@ -87,23 +110,49 @@ class Deadlines:
     """How long a request's lookups may stay pending.
 
     A request whose lookups have answered "pending" (a promotion or lookup on its way)
-    for longer than ``max_pending_s`` since the first such answer, or that the host gave
-    up on (:meth:`expire`), is *expired*: its pending keys are misses from then on, and
-    the host recomputes them instead of waiting.
+    for longer than its limit since the first such answer, or that the host gave up on
+    (:meth:`expire`), is *expired*: its pending keys are misses from then on, and the
+    host recomputes them instead of waiting. The limit is ``max_pending_s``, or what the
+    request's promotions allow (:meth:`allow`: the sum of their chunks' allowances,
+    :meth:`PromotionCosts.wait_allowance`) when that is less.
     """
 
     def __init__(self, max_pending_s: float | None = None) -> None:
         self.max_pending_s = max_pending_s
         self._since: dict[str, float] = {}
+        #: Per request: the keys whose wait was allowed, and the sum of the allowances.
+        self._allowed_keys: dict[str, set[OffloadKey]] = {}
+        self._allowed: dict[str, float] = {}
         self._expired: set[str] = set()
+
+    def allow(self, req_id: str, key: OffloadKey, seconds: float | None) -> None:
+        """The request waits for ``key``'s promotion, worth waiting ``seconds`` for
+        (None: no bound of its own); counted once per key. The request's clock starts
+        with its first allowance."""
+        if seconds is None:
+            return
+        keys = self._allowed_keys.get(req_id)
+        if keys is None:
+            keys = self._allowed_keys[req_id] = set()
+            self._since.setdefault(req_id, time.perf_counter())
+        elif key in keys:
+            return
+        keys.add(key)
+        self._allowed[req_id] = self._allowed.get(req_id, 0.0) + seconds
+
+    def _limit(self, req_id: str) -> float | None:
+        limit, allowed = self.max_pending_s, self._allowed.get(req_id)
+        if allowed is None:
+            return limit
+        return allowed if limit is None else min(limit, allowed)
 
     def expired(self, req_id: str) -> bool:
         """Whether the request's pending keys are misses now; the first call for a
-        request starts its clock. Reads the clock only when ``max_pending_s`` is set:
-        the lookup path calls this for every key that is not readable."""
+        request with a limit starts its clock. Reads the clock only then: the lookup
+        path calls this for every key that is not readable."""
         if req_id in self._expired:
             return True
-        limit = self.max_pending_s
+        limit = self._limit(req_id)
         if limit is None:
             return False
         now = time.perf_counter()
@@ -113,6 +162,16 @@ class Deadlines:
         self._expired.add(req_id)
         return True
 
+    def remaining_s(self, req_id: str) -> float | None:
+        """Seconds before the request's pending keys become misses: 0 once expired,
+        None while it has no limit or its clock has not started."""
+        if req_id in self._expired:
+            return 0.0
+        limit, since = self._limit(req_id), self._since.get(req_id)
+        if limit is None or since is None:
+            return None
+        return max(0.0, limit - (time.perf_counter() - since))
+
     def is_expired(self, req_id: str) -> bool:
         return req_id in self._expired
 
@@ -121,8 +180,12 @@ class Deadlines:
 
     def forget(self, req_id: str) -> None:
         self._since.pop(req_id, None)
+        self._allowed.pop(req_id, None)
+        self._allowed_keys.pop(req_id, None)
         self._expired.discard(req_id)
 
     def clear(self) -> None:
         self._since.clear()
+        self._allowed.clear()
+        self._allowed_keys.clear()
         self._expired.clear()

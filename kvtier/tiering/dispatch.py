@@ -164,6 +164,8 @@ class Dispatcher:
         if ended is None:  # a cascade
             return False
         req_id = ended.req_id
+        self._promotions.ended(ended.loaded)
+        self._promotions.ended(ended.failed)
         self._costs.job_done(ended.tier, ended.job_time, len(ended.loaded) + len(ended.failed))
         if ended.failed:
             self._tiers[ended.tier].lookups.forget_hits(ended.failed, req_id)

@@ -86,6 +86,13 @@ class HostAccess:
             self._deadlines.expire(req.req_id)
             self._promotions.drop_request(req.req_id)
 
+    def pending_remaining_s(self, req: ReqContext) -> float | None:
+        """Seconds before the request's pending chunks become misses (its deadline:
+        ``max_pending_s``, or what its promotions are worth waiting for once the
+        recompute cost is known); None while nothing bounds its wait."""
+        with self._lock:
+            return self._deadlines.remaining_s(req.req_id)
+
     @property
     def num_chunks(self) -> int:
         """Slots of the primary tier."""

@@ -136,6 +136,7 @@ class TieringOffloadingManager(AsyncResource):
             self._costs,
             [state.lookups for state in self._tiers],
             [state.counts for state in self._tiers],
+            self._deadlines,
         )
         self._dispatch = Dispatcher(
             self._loop,
@@ -226,6 +227,8 @@ class TieringOffloadingManager(AsyncResource):
             counters[_HITS] += 1
             if refs >= 0:
                 return _HIT
+            # Being written: by a store, or promoted (for this request or another).
+            self._promotions.allow_wait(key, req_id)
             return _MISS if self._deadlines.expired(req_id) else _HIT_PENDING
         if not self._tiers or self._deadlines.expired(req_id):
             return _MISS

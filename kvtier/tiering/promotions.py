@@ -27,7 +27,7 @@ from kvtier.keys import OffloadKey
 from kvtier.metrics import Names
 from kvtier.primary import PrimaryTier
 from kvtier.records import LookupResult
-from kvtier.tiering.admission import PromotionCosts
+from kvtier.tiering.admission import Deadlines, PromotionCosts
 from kvtier.tiering.jobs import JobTable
 from kvtier.tiering.lookups import TierLookups
 from kvtier.tiering.stats import Counts
@@ -126,7 +126,9 @@ class Promotions:
         costs: PromotionCosts,
         lookups: Sequence[TierLookups],
         tier_counts: Sequence[Counts],
+        deadlines: Deadlines,
     ) -> None:
+        self._deadlines = deadlines
         self._primary = primary
         self._jobs = jobs
         self._counts = counts
@@ -137,6 +139,8 @@ class Promotions:
         #: Each request's turn, from its first queued promotion until it finishes.
         self._turns: dict[str, int] = {}
         self._next_turn = 0
+        #: The tier each key queued or being promoted comes from.
+        self._tier_of: dict[OffloadKey, int] = {}
 
     def resolve(
         self, key: OffloadKey, req_id: str, protected: Collection[OffloadKey] | None
@@ -147,7 +151,8 @@ class Promotions:
         The first tier that holds the key promotes it (HIT_PENDING), unless the
         promotion would arrive after the host could recompute the chunk (a counted
         MISS) or no slot can be had (a counted MISS). A tier still being asked makes
-        the answer RETRY if no later tier has the key.
+        the answer RETRY if no later tier has the key. A promotion adds what it is
+        worth waiting for to the request's deadline.
         """
         retry = False
         for tier, lookups in enumerate(self._lookups):
@@ -159,7 +164,10 @@ class Promotions:
                     self._tier_counts[tier].counters[Names.SKIPPED_SLOWER_THAN_RECOMPUTE] += 1
                     return _MISS, []
                 evicted = self.begin(tier, key, req_id, protected)
-                return (_MISS, []) if evicted is None else (_HIT_PENDING, evicted)
+                if evicted is None:
+                    return _MISS, []
+                self.allow_wait(key, req_id)
+                return _HIT_PENDING, evicted
         return (_RETRY if retry else _MISS), []
 
     def worth_it(self, tier: int, req_id: str) -> bool:
@@ -171,6 +179,20 @@ class Promotions:
         ahead = self._jobs.in_flight[tier].promotion_chunks
         ahead += queue.queued_before(self._turns.get(req_id))
         return not self._costs.loses(tier, ahead, queue.queued_for(req_id))
+
+    def allow_wait(self, key: OffloadKey, req_id: str) -> None:
+        """The request waits for ``key``, queued or being promoted: add what the chunk is
+        worth waiting for to its deadline (:meth:`PromotionCosts.wait_allowance`), once
+        per key. A key that is not being promoted (a store writing it) adds nothing."""
+        tier = self._tier_of.get(key)
+        if tier is not None:
+            self._deadlines.allow(req_id, key, self._costs.wait_allowance(tier))
+
+    def ended(self, keys: Sequence[OffloadKey]) -> None:
+        """A promotion job of ``keys`` ended (loaded, failed or timed out)."""
+        tier_of = self._tier_of
+        for key in keys:
+            tier_of.pop(key, None)
 
     def busy(self, tier: int) -> bool:
         """Whether promotions of ``tier`` are queued or waiting for a job."""
@@ -200,6 +222,7 @@ class Promotions:
         queued.keys.append(key)
         queued.slots.append(out.store_spec.chunk_ids[0])
         self._queues[tier].chunks += 1
+        self._tier_of[key] = tier
         return out.evicted_keys
 
     def end_step(self, tier: int, now: float) -> list[TransferJob]:
@@ -223,6 +246,7 @@ class Promotions:
             for queued in (queue.step.pop(req_id, None), queue.waiting.pop(req_id, None)):
                 if queued is not None:
                     queue.chunks -= len(queued.keys)
+                    self.ended(queued.keys)
                     self._primary.complete_write(queued.keys, False)
 
     def drop_all(self) -> None:
@@ -230,6 +254,7 @@ class Promotions:
         self._turns.clear()
         for queue in self._queues:
             for queued in (*queue.step.values(), *queue.waiting.values()):
+                self.ended(queued.keys)
                 self._primary.complete_write(queued.keys, False)
             queue.step.clear()
             queue.waiting.clear()

@@ -11,7 +11,7 @@ from tiering_helpers import HIT, MISS, PENDING, evict_all, fill, opened, resolve
 
 from kvtier import ReqContext
 from kvtier.metrics import Names
-from kvtier.tiering.admission import STALE_AFTER_S, PromotionCosts
+from kvtier.tiering.admission import EXPLORE_SHARE, STALE_AFTER_S, PromotionCosts
 
 pytestmark = pytest.mark.anyio
 
@@ -37,8 +37,11 @@ async def test_a_tier_slower_than_recomputing_answers_misses_once_measured(engin
     async with opened(engine_id, [tier], chunks=8, recompute_s_per_chunk=0.01) as manager:
         first, second = await stored_in_tier_only(manager, 2, "slow")
         # Nothing measured yet: the first hit is promoted, and its job measures the tier.
-        assert await resolve(manager, first, ReqContext("a")) is HIT
+        assert manager.lookup(first, ReqContext("a")) is PENDING
+        manager.on_schedule_end()
+        await manager.drain()
         jobs = len(ScriptedTier.instances["slow"].load_jobs)
+        assert jobs == 1
         assert manager.lookup(second, ReqContext("b")) is MISS
         assert len(ScriptedTier.instances["slow"].load_jobs) == jobs  # no job started
         assert skipped(manager) == 1
@@ -121,6 +124,72 @@ async def test_a_request_that_gives_up_frees_its_queued_promotions(engine_id):
         assert not ScriptedTier.instances["queued"].load_jobs
         manager.on_request_finished(req)
         assert manager.lookup(ks[0], ReqContext("fresh")) is PENDING
+
+
+async def test_a_tier_not_measured_yet_costs_a_request_a_tenth_of_its_recompute(engine_id):
+    # Recomputing a chunk takes 5 s; the tier, never measured, has become a link whose
+    # promotion does not end while the request waits (held by its gate).
+    tier = scripted("probe", instant=True)
+    async with opened(engine_id, [tier], chunks=8, recompute_s_per_chunk=5.0) as manager:
+        ks = await stored_in_tier_only(manager, 2, "probe")
+        probe = ScriptedTier.instances["probe"]
+        probe.gate.clear()
+        try:
+            req = ReqContext("first")
+            assert [manager.lookup(key, req) for key in ks] == [PENDING, PENDING]
+            manager.on_schedule_end()
+            # Two chunks, a tenth of 5 s each: the request's pending chunks are misses
+            # after 1 s, not after the 10 s recomputing them takes.
+            allowed = manager.host.pending_remaining_s(req)
+            assert allowed is not None and allowed <= 2 * EXPLORE_SHARE * 5.0
+            with anyio.fail_after(8):  # a synchronous scheduler, step by step
+                while manager.lookup(ks[0], req) is PENDING:
+                    manager.on_schedule_end()
+                    await anyio.sleep(0.05)
+            assert manager.lookup(ks[1], req) is MISS
+            assert manager.host.pending_remaining_s(req) == 0
+            assert probe.load_jobs  # the probe goes on, and will measure the tier
+            # A request that finds the chunk still on its way gets the same share.
+            later = ReqContext("later")
+            assert manager.lookup(ks[0], later) is PENDING
+            allowed = manager.host.pending_remaining_s(later)
+            assert allowed is not None and allowed <= EXPLORE_SHARE * 5.0
+            with anyio.fail_after(8):
+                while manager.lookup(ks[0], later) is PENDING:
+                    manager.on_schedule_end()
+                    await anyio.sleep(0.05)
+        finally:
+            probe.gate.set()
+
+
+async def test_a_tier_measured_fast_enough_is_waited_for_past_the_probe_share(engine_id):
+    # Loading a chunk takes 0.3 s, recomputing it 1 s: the tier wins, but by less than
+    # the tenth of a recompute a probe may cost. The first request gives up on it; its
+    # job measures the tier, and the next request waits the 0.3 s and gets the chunk.
+    tier = scripted("winner", instant=True, load_delay_s=0.3)
+    async with opened(engine_id, [tier], chunks=8, recompute_s_per_chunk=1.0) as manager:
+        first, second = await stored_in_tier_only(manager, 2, "winner")
+        probe = ReqContext("probe")
+        assert manager.lookup(first, probe) is PENDING
+        manager.on_schedule_end()
+        with anyio.fail_after(10):
+            while manager.lookup(first, probe) is PENDING:
+                manager.on_schedule_end()
+                await anyio.sleep(0.02)
+        assert manager.lookup(first, probe) is MISS  # gave up after ~0.1 s
+        await manager.drain()
+        assert manager.host.pending_remaining_s(ReqContext("next")) is None
+        assert await resolve(manager, second, ReqContext("next")) is HIT
+        assert skipped(manager) == 0
+
+
+def test_the_wait_a_promotion_allows_follows_the_tiers_measure():
+    costs = PromotionCosts(1)
+    assert costs.wait_allowance(0) is None  # no recompute cost: no bound
+    costs.recompute_s_per_chunk = 2.0
+    assert costs.wait_allowance(0) == pytest.approx(EXPLORE_SHARE * 2.0)
+    costs.job_done(0, seconds=0.5, chunks=1)
+    assert costs.wait_allowance(0) == pytest.approx(2.0)
 
 
 def test_the_skip_counter_is_a_tiering_metric():
