@@ -205,6 +205,21 @@ def test_a_name_that_is_not_a_chunk_gives_no_key(name):
     assert key_of(name) is None
 
 
+def test_a_forked_writer_names_its_temporary_files_apart_from_its_parent():
+    parent = temp_name("x.kvt")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the same serial numbers would follow, not the same tag
+        os.write(write, temp_name("x.kvt").encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 4096).decode()
+    os.close(read)
+    assert child.split(".")[2:4] != parent.split(".")[2:4]
+    assert child.split(".")[2] == str(pid)
+
+
 def test_temporary_names_are_unique_and_never_taken_for_chunks():
     names = {temp_name(chunk_name(KEY)) for _ in range(100)}
     assert len(names) == 100
