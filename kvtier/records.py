@@ -50,11 +50,15 @@ class ReqContext:
     """The request a scheduler call is made for.
 
     ``kv_transfer_params`` carries the host's per-request parameters untouched (the
-    same dictionary vLLM hands its connectors); kvtier itself reads only ``req_id``.
+    same dictionary vLLM hands its connectors); kvtier does not read it.
+    ``load_tiers`` names the secondary tiers (by label) the request may load from, as
+    vLLM's ``kv_load_tiers`` does: a chunk only other tiers hold is a miss for it. None
+    (the default): every tier. The primary tier always serves.
     """
 
     req_id: str
     kv_transfer_params: Mapping[str, Any] | None = None
+    load_tiers: frozenset[str] | None = None
 
 
 class ScheduleEndContext(NamedTuple):

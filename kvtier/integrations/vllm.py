@@ -91,6 +91,13 @@ _MEDIUM = {
     Medium.NETWORK: vllm_base.Medium.CPU,
 }
 _LOCALITY = {"local": vllm_base.Locality.LOCAL, "remote": vllm_base.Locality.REMOTE}
+
+
+def _tier_locality(medium: Medium, locality: vllm_base.Locality) -> vllm_base.Locality:
+    """The locality vLLM sees for a tier: a peer tier's bytes are remote ones."""
+    return vllm_base.Locality.REMOTE if medium is Medium.NETWORK else locality
+
+
 _SOURCE = {
     Medium.CPU: CacheHitSource.HOST,
     Medium.STORAGE: CacheHitSource.DISK,
@@ -268,8 +275,6 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         self._lock = threading.RLock()
         #: Keys each request saw as HIT this step, in lookup (prefix) order.
         self._hits: dict[str, dict[OffloadKey, None]] = {}
-        #: Keys each request is getting from a secondary tier.
-        self._promoted: dict[str, set[OffloadKey]] = {}
         self._tiers = self._describe_tiers()
         #: vLLM's context of the request looked up last, and kvtier's for it: vLLM
         #: looks a request's keys up one after another.
@@ -293,16 +298,31 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
     def lock(self) -> threading.RLock:
         return self._lock
 
+    def _context(self, req_context: vllm_base.ReqContext) -> ReqContext:
+        """kvtier's context for a vLLM request, made once and kept on vLLM's; its
+        ``load_tiers`` are the tiers vLLM's ``kv_load_tiers`` filter allows."""
+        ctx: ReqContext | None = req_context.get_state(ReqContext)
+        if ctx is None:
+            load_filter = req_context.load_tier_filter
+            load_tiers = None
+            if load_filter is not vllm_base.TierFilter.ALL:
+                load_tiers = frozenset(
+                    label
+                    for label, (medium, locality) in self._tiers.items()
+                    if load_filter.allows(_MEDIUM[medium], _tier_locality(medium, locality))
+                )
+            ctx = ReqContext(req_context.req_id, req_context.kv_transfer_params, load_tiers)
+            req_context.set_state(ctx)
+        return ctx
+
     # -------------------------------------------------------------- lookups
 
     def lookup(self, key: OffloadKey, req_context: vllm_base.ReqContext) -> vllm_base.LookupResult:
         last_vllm, ctx = self._last_context
         if req_context is not last_vllm:
-            ctx = _context(req_context)
+            ctx = self._context(req_context)
             self._last_context = (req_context, ctx)
-        kvtier = self.kvtier
-        in_primary = kvtier.primary.ref_count(key) is not None
-        result = kvtier.lookup(key, ctx)
+        result = self.kvtier.lookup(key, ctx)
         if result is _HIT:
             hits = self._hits.get(ctx.req_id)
             if hits is None:
@@ -310,37 +330,34 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
             hits[key] = None
             return _VLLM_HIT
         if result is _HIT_PENDING:
-            if not in_primary:
-                self._promoted.setdefault(ctx.req_id, set()).add(key)
             return _VLLM_HIT_PENDING
         return _LOOKUP[result]
 
     def get_load_source(self, key: OffloadKey, req_context: vllm_base.ReqContext) -> Any:
-        if key not in self._promoted.get(req_context.req_id, ()):
+        # The manager's own record of the tier that promoted the key for the request.
+        label = self.kvtier.host.load_source(key, self._context(req_context))
+        if label is None:
             return CacheHitSource.HOST
-        sources = {_SOURCE.get(medium) for medium, _ in self._tiers.values()}
-        if len(sources) == 1 and None not in sources:
-            return sources.pop()
-        return CacheHitSource.EXTERNAL_UNSPECIFIED
+        return _SOURCE.get(self._tiers[label][0], CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     # ---------------------------------------------------------------- loads
 
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: vllm_base.ReqContext
     ) -> KVTierSlots:
-        ctx = _context(req_context)
+        ctx = self._context(req_context)
         ordered = list(keys)
         spec = self.kvtier.prepare_load(ordered, ctx)
         self._touch(ctx, ordered)
         return KVTierSlots(tuple(int(slot) for slot in spec.chunk_ids))
 
     def touch(self, keys: Collection[OffloadKey], req_context: vllm_base.ReqContext) -> None:
-        self.kvtier.touch(list(keys), _context(req_context))
+        self.kvtier.touch(list(keys), self._context(req_context))
 
     def complete_load(
         self, keys: Collection[OffloadKey], req_context: vllm_base.ReqContext
     ) -> None:
-        self.kvtier.complete_load(list(keys), _context(req_context))
+        self.kvtier.complete_load(list(keys), self._context(req_context))
 
     def _touch(self, ctx: ReqContext, loaded: Sequence[OffloadKey]) -> None:
         """Record the use of a request's hits and loads, head of the prefix first."""
@@ -355,7 +372,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.PrepareStoreOutput | None:
-        out = self.kvtier.prepare_store(list(keys), _context(req_context))
+        out = self.kvtier.prepare_store(list(keys), self._context(req_context))
         if out is None:
             return None
         return vllm_base.PrepareStoreOutput(
@@ -370,20 +387,19 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         req_context: vllm_base.ReqContext,
         success: bool = True,
     ) -> None:
-        self.kvtier.complete_store(list(keys), _context(req_context), success)
+        self.kvtier.complete_store(list(keys), self._context(req_context), success)
 
     # ------------------------------------------------------------- requests
 
     def on_new_request(
         self, req_context: vllm_base.ReqContext
     ) -> vllm_base.RequestOffloadingContext:
-        self.kvtier.on_new_request(_context(req_context))
+        self.kvtier.on_new_request(self._context(req_context))
         return vllm_base.RequestOffloadingContext()
 
     def on_request_finished(self, req_context: vllm_base.ReqContext) -> None:
-        ctx = _context(req_context)
+        ctx = self._context(req_context)
         self._hits.pop(ctx.req_id, None)
-        self._promoted.pop(ctx.req_id, None)
         self.kvtier.on_request_finished(ctx)
 
     def on_schedule_end(self, context: vllm_base.ScheduleEndContext) -> None:
@@ -412,8 +428,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         else:
             medium, locality = described
             ownership = event.tier
-            if medium is Medium.NETWORK:
-                locality = vllm_base.Locality.REMOTE
+            locality = _tier_locality(medium, locality)
         return vllm_base.OffloadingEvent(
             keys=list(event.keys),
             medium=_MEDIUM[medium],
@@ -428,7 +443,6 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
 
     def reset_cache(self) -> None:
         self._hits.clear()
-        self._promoted.clear()
         # vLLM forgets the copies in flight now and reports them ended through
         # on_reset_flushed; their slots must not be handed out before that.
         self.kvtier.reset_cache(hold_busy_slots=True)
@@ -462,15 +476,6 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
     def shutdown(self) -> None:
         # vLLM's verb for a blocking close: what this adapter owns closes with close().
         self.spec.close()
-
-
-def _context(req_context: vllm_base.ReqContext) -> ReqContext:
-    """kvtier's context for a vLLM request, made once and kept on vLLM's."""
-    ctx: ReqContext | None = req_context.get_state(ReqContext)
-    if ctx is None:
-        ctx = ReqContext(req_context.req_id, req_context.kv_transfer_params)
-        req_context.set_state(ctx)
-    return ctx
 
 
 class KVTierOffloadingWorker(vllm_base.OffloadingWorker):  # type: ignore[misc]

@@ -27,7 +27,9 @@ __all__ = ["HostAccess"]
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 
-_Lookup = Callable[[OffloadKey, str, "Collection[OffloadKey] | None"], LookupResult]
+_Lookup = Callable[
+    [OffloadKey, str, "Collection[OffloadKey] | None", "frozenset[str] | None"], LookupResult
+]
 
 
 class HostAccess:
@@ -93,6 +95,12 @@ class HostAccess:
         with self._lock:
             return self._deadlines.remaining_s(req.req_id)
 
+    def load_source(self, key: OffloadKey, req: ReqContext) -> str | None:
+        """The label of the secondary tier that promoted ``key`` for the request; None if
+        the request found it in the primary tier (or has finished since)."""
+        with self._lock:
+            return self._promotions.source_of(key, req.req_id)
+
     @property
     def num_chunks(self) -> int:
         """Slots of the primary tier."""
@@ -119,7 +127,7 @@ class HostAccess:
             for key in keys:
                 if held(holder, key):
                     continue
-                result = self._lookup(key, req_id, prefix)
+                result = self._lookup(key, req_id, prefix, req.load_tiers)
                 if result is _HIT:
                     readable.append(key)
                 elif result is _MISS:

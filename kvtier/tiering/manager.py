@@ -137,6 +137,7 @@ class TieringOffloadingManager(AsyncResource):
             [state.lookups for state in self._tiers],
             [state.counts for state in self._tiers],
             self._deadlines,
+            [state.label for state in self._tiers],
         )
         self._dispatch = Dispatcher(
             self._loop,
@@ -212,10 +213,14 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             if self._pending:
                 self._dispatch.drain()
-            return self._lookup(key, req.req_id, None)
+            return self._lookup(key, req.req_id, None, req.load_tiers)
 
     def _lookup(
-        self, key: OffloadKey, req_id: str, protected: Collection[OffloadKey] | None
+        self,
+        key: OffloadKey,
+        req_id: str,
+        protected: Collection[OffloadKey] | None,
+        load_tiers: frozenset[str] | None = None,
     ) -> LookupResult:
         gate = self._gate
         if gate is not None:
@@ -232,7 +237,7 @@ class TieringOffloadingManager(AsyncResource):
             return _MISS if self._deadlines.expired(req_id) else _HIT_PENDING
         if not self._tiers or self._deadlines.expired(req_id):
             return _MISS
-        result, evicted = self._promotions.resolve(key, req_id, protected)
+        result, evicted = self._promotions.resolve(key, req_id, protected, load_tiers)
         if evicted:
             self._evicted(evicted)
         return result
@@ -316,6 +321,7 @@ class TieringOffloadingManager(AsyncResource):
         with self.lock:
             req_id = req.req_id
             self._promotions.drop_request(req_id)
+            self._promotions.forget_sources(req_id)
             self._deadlines.forget(req_id)
             released = self._ledger.release_all(Holder.reserved(req_id))
             released += self._ledger.release_all(Holder.request(req_id))

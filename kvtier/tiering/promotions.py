@@ -127,7 +127,9 @@ class Promotions:
         lookups: Sequence[TierLookups],
         tier_counts: Sequence[Counts],
         deadlines: Deadlines,
+        labels: Sequence[str],
     ) -> None:
+        self._labels = list(labels)
         self._deadlines = deadlines
         self._primary = primary
         self._jobs = jobs
@@ -141,9 +143,15 @@ class Promotions:
         self._next_turn = 0
         #: The tier each key queued or being promoted comes from.
         self._tier_of: dict[OffloadKey, int] = {}
+        #: Per request, the tier each key it promoted came from, until it finishes.
+        self._sources: dict[str, dict[OffloadKey, int]] = {}
 
     def resolve(
-        self, key: OffloadKey, req_id: str, protected: Collection[OffloadKey] | None
+        self,
+        key: OffloadKey,
+        req_id: str,
+        protected: Collection[OffloadKey] | None,
+        load_tiers: frozenset[str] | None = None,
     ) -> tuple[LookupResult, list[OffloadKey]]:
         """Ask the secondary tiers for a key the primary tier lacks, in order; the
         answer, and the keys evicted to make room for its promotion.
@@ -152,10 +160,13 @@ class Promotions:
         promotion would arrive after the host could recompute the chunk (a counted
         MISS) or no slot can be had (a counted MISS). A tier still being asked makes
         the answer RETRY if no later tier has the key. A promotion adds what it is
-        worth waiting for to the request's deadline.
+        worth waiting for to the request's deadline. Tiers whose label is not in
+        ``load_tiers`` (when given) are not asked.
         """
         retry = False
         for tier, lookups in enumerate(self._lookups):
+            if load_tiers is not None and self._labels[tier] not in load_tiers:
+                continue
             present = lookups.answer(key, req_id)
             if present is None:
                 retry = True
@@ -194,6 +205,15 @@ class Promotions:
         for key in keys:
             tier_of.pop(key, None)
 
+    def forget_sources(self, req_id: str) -> None:
+        """The request finished: its record of where its promotions came from goes."""
+        self._sources.pop(req_id, None)
+
+    def source_of(self, key: OffloadKey, req_id: str) -> str | None:
+        """The label of the tier that promoted ``key`` for the request, if one did."""
+        tier = self._sources.get(req_id, {}).get(key)
+        return None if tier is None else self._labels[tier]
+
     def busy(self, tier: int) -> bool:
         """Whether promotions of ``tier`` are queued or waiting for a job."""
         queue = self._queues[tier]
@@ -223,6 +243,10 @@ class Promotions:
         queued.slots.append(out.store_spec.chunk_ids[0])
         self._queues[tier].chunks += 1
         self._tier_of[key] = tier
+        sources = self._sources.get(req_id)
+        if sources is None:
+            sources = self._sources[req_id] = {}
+        sources[key] = tier
         return out.evicted_keys
 
     def end_step(self, tier: int, now: float) -> list[TransferJob]:
@@ -240,7 +264,8 @@ class Promotions:
         ]
 
     def drop_request(self, req_id: str) -> None:
-        """The request finished: its promotions not started yet free their slots."""
+        """The request finished (or gave up waiting): its promotions not started yet
+        free their slots."""
         self._turns.pop(req_id, None)
         for queue in self._queues:
             for queued in (queue.step.pop(req_id, None), queue.waiting.pop(req_id, None)):
@@ -252,6 +277,7 @@ class Promotions:
     def drop_all(self) -> None:
         """Drop every promotion not sent yet: their slots were never written."""
         self._turns.clear()
+        self._sources.clear()
         for queue in self._queues:
             for queued in (*queue.step.values(), *queue.waiting.values()):
                 self.ended(queued.keys)

@@ -136,11 +136,22 @@ class Engine:
     def manager(self) -> Any:
         return self.connector.connector_scheduler.manager  # type: ignore[union-attr]
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> None:
+    def add(
+        self,
+        req_id: str,
+        tokens: list[int],
+        max_tokens: int = 2,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue a request; ``kv_transfer_params`` reach the connectors as a client's
+        would (through the sampling parameters' extra arguments)."""
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
         request = Request(
             request_id=req_id,
             prompt_token_ids=list(tokens),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, extra_args=extra
+            ),
             pooling_params=None,
             block_hasher=self.hasher,
         )

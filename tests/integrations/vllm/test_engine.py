@@ -70,6 +70,42 @@ def test_a_stored_prompt_loads_back_byte_exact(
         assert ("STORAGE", "LOCAL", "1:fs") in media
 
 
+def test_kv_load_tiers_choose_the_tiers_a_request_loads_from(make_engine, tmp_path):
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    engine = make_engine(tier_config("fs", tmp_path))
+    shared = prompt(2, 8)
+    engine.add("first", [*shared, 5])
+    engine.run()
+    engine.drain_tiers()
+    engine.scheduler.reset_prefix_cache(reset_connector=True)  # the prompt is on disk only
+    engine.wipe_gpu()
+    # vLLM's per-request tier selection, as a client sends it: memory tiers only.
+    engine.add(
+        "memory only", [*shared, 6], kv_transfer_params={"kv_load_tiers": [{"medium": "cpu"}]}
+    )
+    engine.run()
+    assert engine.cached_at_start["memory only"] == 0
+    engine.wipe_gpu()
+    engine.scheduler.reset_prefix_cache(reset_connector=True)
+    # vLLM splits a hit by the tier each chunk came from (get_load_source) for its
+    # prefix-cache stats: record what its scheduler computed.
+    by_source: list[dict] = []
+    connector = engine.connector
+    hit_sources = connector.get_external_cache_hit_sources
+
+    def record(request, tokens):
+        by_source.append(hit_sources(request, tokens))
+        return by_source[-1]
+
+    connector.get_external_cache_hit_sources = record
+    engine.add("disk", [*shared, 7], kv_transfer_params={"kv_load_tiers": [{"medium": "storage"}]})
+    engine.run()
+    assert engine.cached_at_start["disk"] == 8 * TOKENS_PER_BLOCK
+    # Every loaded token counted as the fs tier's disk, none as unspecified.
+    assert by_source == [{CacheHitSource.DISK: 8 * TOKENS_PER_BLOCK}]
+
+
 def test_a_load_may_start_inside_a_chunk(make_engine):
     # Chunks of two blocks. A short request leaves the first three blocks of the
     # prompt in vLLM's GPU cache, so the long one loads from kvtier starting with the
