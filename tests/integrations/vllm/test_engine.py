@@ -9,6 +9,7 @@ computed for it.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -104,6 +105,68 @@ def test_kv_load_tiers_choose_the_tiers_a_request_loads_from(make_engine, tmp_pa
     assert engine.cached_at_start["disk"] == 8 * TOKENS_PER_BLOCK
     # Every loaded token counted as the fs tier's disk, none as unspecified.
     assert by_source == [{CacheHitSource.DISK: 8 * TOKENS_PER_BLOCK}]
+
+
+def store_then_load_from_the_tiers(engine, seed: int) -> None:
+    """Compute and store a prompt, empty vLLM's cache and kvtier's primary tier, and
+    find all of it again in the secondary tiers, each token's bytes checked."""
+    shared = prompt(seed, 8)
+    engine.add("first", [*shared, 5])
+    engine.run()
+    engine.drain_tiers()
+    engine.scheduler.reset_prefix_cache(reset_connector=True)  # the primary tier too
+    engine.wipe_gpu()
+    engine.add("second", [*shared, 6])
+    engine.run()
+    assert engine.cached_at_start["second"] == 8 * TOKENS_PER_BLOCK
+    assert engine.verified_blocks >= 8
+
+
+def s3_tier_config(moto, bucket: str) -> dict:
+    """The primary tier and an s3 tier on the loopback S3 server's ``bucket``."""
+    from s3_servers import ACCESS_KEY, SECRET_KEY
+
+    s3 = {
+        "type": "s3",
+        "bucket": bucket,
+        "endpoint_url": moto.endpoint,
+        "access_key_id": ACCESS_KEY,
+        "secret_access_key": SECRET_KEY,
+    }
+    return {"cpu_bytes_to_use": PRIMARY_BYTES, "secondary_tiers": [s3]}
+
+
+def test_the_s3_tier_serves_a_prompt_back_through_vllm(make_engine, moto, bucket):
+    engine = make_engine(s3_tier_config(moto, bucket))
+    store_then_load_from_the_tiers(engine, seed=3)
+
+
+def test_the_p2p_tier_serves_one_engines_prompt_to_another(make_engine):
+    def p2p(**tier) -> dict:
+        return {
+            "cpu_bytes_to_use": PRIMARY_BYTES,
+            "secondary_tiers": [
+                {"type": "p2p", "secret": "kvtier-vllm-test-secret-0123456789", **tier}
+            ],
+        }
+
+    owner = make_engine(p2p(listen="127.0.0.1:0"))
+    address = owner.manager.kvtier.tiers[0].listen_address
+    reader = make_engine(p2p(listen="127.0.0.1:0", peers=[address]))
+    shared = prompt(4, 8)
+    owner.add("first", [*shared, 5])
+    owner.run()
+    # The owner announces what its primary tier stored; the reader's lookups are
+    # probes of that index, and its loads read the owner's slots over loopback.
+    index = reader.manager.kvtier.tiers[0]
+    deadline = time.monotonic() + 30
+    while index.indexed_keys < 8:
+        assert time.monotonic() < deadline, "the owner's keys never reached the reader"
+        time.sleep(0.02)
+    reader.add("second", [*shared, 6])
+    reader.run()
+    assert reader.cached_at_start["second"] == 8 * TOKENS_PER_BLOCK
+    assert reader.verified_blocks >= 8
 
 
 def test_a_load_may_start_inside_a_chunk(make_engine):
@@ -287,23 +350,25 @@ def test_a_hybrid_model_hits_what_vllms_own_cpu_spec_hits(make_engine, blocks_pe
 
 @pytest.mark.parametrize(
     ("tiers", "window"),
-    [("primary", None), ("fs", None), ("primary", WINDOW)],
-    ids=["primary", "fs", "hybrid"],
+    [("primary", None), ("fs", None), ("s3", None), ("primary", WINDOW), ("fs", WINDOW)],
+    ids=["primary", "fs", "s3", "hybrid", "hybrid-fs"],
 )
 def test_two_tensor_parallel_ranks_each_load_back_their_own_bytes(
-    make_engine, worker_processes, tmp_path, tiers, window
+    make_engine, worker_processes, tmp_path, tiers, window, request
 ):
     # Two worker processes, each with KV bytes of its own (salted by its rank), share
     # the engine's primary region: each copies only its column of every slot, vLLM
     # counts a job done once both reported it, and a rank that got the other's bytes,
     # or its own from another slot, fails the byte check in its process.
-    engine = make_engine(
-        tier_config(tiers, tmp_path), workers=worker_processes, sliding_window=window
-    )
+    if tiers == "s3":
+        extra = s3_tier_config(request.getfixturevalue("moto"), request.getfixturevalue("bucket"))
+    else:
+        extra = tier_config(tiers, tmp_path)
+    engine = make_engine(extra, workers=worker_processes, sliding_window=window)
     shared = prompt(41, 6)
     engine.add("first", [*shared, 5, 6, 7])
     engine.run()
-    if tiers == "fs":
+    if tiers != "primary":
         engine.drain_tiers()
         engine.scheduler.reset_prefix_cache(reset_connector=True)
     engine.wipe_gpu()
