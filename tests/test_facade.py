@@ -407,13 +407,19 @@ async def test_claiming_keys_past_a_lookup_makes_others_wait_for_them_too(engine
         kv.claim(prefix, "third")
 
 
+async def in_the_tier_only(kv: KVTier, prefix: str, count: int) -> list:
+    """``count`` keys stored, cascaded to the tier, then emptied from the primary tier."""
+    ks = keys(prefix, count)
+    await kv.store(ks, list(range(count)), "w")
+    await kv.drain()
+    await kv.reset()
+    return ks
+
+
 async def test_a_lookup_gives_a_tier_not_measured_yet_a_tenth_of_the_recompute(engine_id):
     config = tiering_config(engine_id, [scripted("unmeasured", instant=True)], chunks=4)
     async with KVTier(config, [cache()]) as kv:
-        ks = keys("probed", 2)
-        await kv.store(ks, [0, 1], "w")
-        await kv.drain()
-        await kv.reset()
+        ks = await in_the_tier_only(kv, "probed", 2)
         tier = ScriptedTier.instances["unmeasured"]
         tier.gate.clear()  # the tier has become a link that does not deliver
         try:
@@ -435,16 +441,15 @@ async def test_a_lookup_gives_a_tier_not_measured_yet_a_tenth_of_the_recompute(e
 async def test_a_lookup_waits_no_longer_than_recomputing_its_chunks_would_take(engine_id):
     config = tiering_config(engine_id, [scripted("stuck", instant=True)], chunks=4)
     async with KVTier(config, [cache()]) as kv:
-        ks = keys("bounded", 2)
-        await kv.store(ks, [0, 1], "w")
-        await kv.drain()
-        await kv.reset()
+        ks = await in_the_tier_only(kv, "bounded", 3)
+        assert await kv.lookup(ks[:1], "measure") == 1  # the tier is measured now
+        kv.finish("measure")
+        kv.manager.host.set_recompute_cost(0.1)
         tier = ScriptedTier.instances["stuck"]
         tier.gate.clear()  # the promotion never ends
         try:
-            kv.manager.host.set_recompute_cost(0.1)
             # Not the 600 s asked: the 0.2 s recomputing both chunks takes.
-            assert await asyncio.wait_for(kv.lookup(ks, "r", timeout=600), 30) == 0
+            assert await asyncio.wait_for(kv.lookup(ks[1:], "r", timeout=600), 30) == 0
         finally:
             tier.gate.set()
         kv.finish("r")

@@ -31,6 +31,15 @@ async def stored_in_tier_only(manager, count: int, prefix: str):
     return ks
 
 
+async def step_while_pending(manager, key, req, limit_s: float = 10) -> None:
+    """Look ``key`` up for ``req`` as a synchronous scheduler does, step by step, until
+    the answer is no longer pending (failing after ``limit_s``)."""
+    with anyio.fail_after(limit_s):
+        while manager.lookup(key, req) is PENDING:
+            manager.on_schedule_end()
+            await anyio.sleep(0.02)
+
+
 async def test_a_tier_slower_than_recomputing_answers_misses_once_measured(engine_id):
     # 0.2 s per one-chunk job against 0.01 s to recompute a chunk: loading loses.
     tier = scripted("slow", instant=True, load_delay_s=0.2)
@@ -96,10 +105,7 @@ async def test_pending_chunks_become_misses_at_the_request_deadline(engine_id):
         assert manager.lookup(key, req) is PENDING
         manager.on_schedule_end()
         # A synchronous scheduler looks its waiting requests up every step.
-        with anyio.fail_after(10):
-            while manager.lookup(key, req) is PENDING:
-                manager.on_schedule_end()
-                await anyio.sleep(0.02)
+        await step_while_pending(manager, key, req)
         assert manager.lookup(key, req) is MISS  # the deadline passed
         # Another request still waits for the same promotion.
         assert manager.lookup(key, ReqContext("other")) is PENDING
@@ -142,10 +148,7 @@ async def test_a_tier_not_measured_yet_costs_a_request_a_tenth_of_its_recompute(
             # after 1 s, not after the 10 s recomputing them takes.
             allowed = manager.host.pending_remaining_s(req)
             assert allowed is not None and allowed <= 2 * EXPLORE_SHARE * 5.0
-            with anyio.fail_after(8):  # a synchronous scheduler, step by step
-                while manager.lookup(ks[0], req) is PENDING:
-                    manager.on_schedule_end()
-                    await anyio.sleep(0.05)
+            await step_while_pending(manager, ks[0], req, limit_s=8)
             assert manager.lookup(ks[1], req) is MISS
             assert manager.host.pending_remaining_s(req) == 0
             assert probe.load_jobs  # the probe goes on, and will measure the tier
@@ -154,29 +157,23 @@ async def test_a_tier_not_measured_yet_costs_a_request_a_tenth_of_its_recompute(
             assert manager.lookup(ks[0], later) is PENDING
             allowed = manager.host.pending_remaining_s(later)
             assert allowed is not None and allowed <= EXPLORE_SHARE * 5.0
-            with anyio.fail_after(8):
-                while manager.lookup(ks[0], later) is PENDING:
-                    manager.on_schedule_end()
-                    await anyio.sleep(0.05)
+            await step_while_pending(manager, ks[0], later, limit_s=8)
         finally:
             probe.gate.set()
 
 
 async def test_a_tier_measured_fast_enough_is_waited_for_past_the_probe_share(engine_id):
-    # Loading a chunk takes 0.3 s, recomputing it 1 s: the tier wins, but by less than
+    # Loading a chunk takes 1 s, recomputing it 5 s: the tier wins, but by less than
     # the tenth of a recompute a probe may cost. The first request gives up on it; its
-    # job measures the tier, and the next request waits the 0.3 s and gets the chunk.
-    tier = scripted("winner", instant=True, load_delay_s=0.3)
-    async with opened(engine_id, [tier], chunks=8, recompute_s_per_chunk=1.0) as manager:
+    # job measures the tier, and the next request waits the 1 s and gets the chunk.
+    tier = scripted("winner", instant=True, load_delay_s=1.0)
+    async with opened(engine_id, [tier], chunks=8, recompute_s_per_chunk=5.0) as manager:
         first, second = await stored_in_tier_only(manager, 2, "winner")
         probe = ReqContext("probe")
         assert manager.lookup(first, probe) is PENDING
         manager.on_schedule_end()
-        with anyio.fail_after(10):
-            while manager.lookup(first, probe) is PENDING:
-                manager.on_schedule_end()
-                await anyio.sleep(0.02)
-        assert manager.lookup(first, probe) is MISS  # gave up after ~0.1 s
+        await step_while_pending(manager, first, probe)
+        assert manager.lookup(first, probe) is MISS  # gave up after ~0.5 s
         await manager.drain()
         assert manager.host.pending_remaining_s(ReqContext("next")) is None
         assert await resolve(manager, second, ReqContext("next")) is HIT
