@@ -243,8 +243,9 @@ class KVTier(AsyncResource):
         """
         async with self._fence.operation(self._check_open):
             request = self._request(req_id)
-            # Waiting longer than recomputing could only make the request slower (a
-            # promotion from a tier not measured yet, a slow claimer).
+            # Waiting longer than recomputing could only make the request slower. The
+            # manager bounds the wait for promotions (pending_remaining_s, in _find);
+            # this bounds the rest: a tier still being asked, a slow claimer.
             recompute = self.manager.host.recompute_s_per_chunk
             if recompute is not None:
                 bound = len(keys) * recompute

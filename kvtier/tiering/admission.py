@@ -125,18 +125,21 @@ class Deadlines:
         self._allowed: dict[str, float] = {}
         self._expired: set[str] = set()
 
+    def allowed(self, req_id: str, key: OffloadKey) -> bool:
+        """Whether the wait for ``key`` already counts in the request's limit."""
+        keys = self._allowed_keys.get(req_id)
+        return keys is not None and key in keys
+
     def allow(self, req_id: str, key: OffloadKey, seconds: float | None) -> None:
         """The request waits for ``key``'s promotion, worth waiting ``seconds`` for
         (None: no bound of its own); counted once per key. The request's clock starts
         with its first allowance."""
-        if seconds is None:
+        if seconds is None or self.allowed(req_id, key):
             return
         keys = self._allowed_keys.get(req_id)
         if keys is None:
             keys = self._allowed_keys[req_id] = set()
             self._since.setdefault(req_id, time.perf_counter())
-        elif key in keys:
-            return
         keys.add(key)
         self._allowed[req_id] = self._allowed.get(req_id, 0.0) + seconds
 

@@ -194,9 +194,11 @@ class Promotions:
     def allow_wait(self, key: OffloadKey, req_id: str) -> None:
         """The request waits for ``key``, queued or being promoted: add what the chunk is
         worth waiting for to its deadline (:meth:`PromotionCosts.wait_allowance`), once
-        per key. A key that is not being promoted (a store writing it) adds nothing."""
+        per key. A key that is not being promoted (a store writing it) adds nothing.
+        A waiting request looks its pending keys up every step: the allowance is worked
+        out the first time only."""
         tier = self._tier_of.get(key)
-        if tier is not None:
+        if tier is not None and not self._deadlines.allowed(req_id, key):
             self._deadlines.allow(req_id, key, self._costs.wait_allowance(tier))
 
     def ended(self, keys: Sequence[OffloadKey]) -> None:

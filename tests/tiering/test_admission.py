@@ -137,7 +137,7 @@ async def test_a_tier_not_measured_yet_costs_a_request_a_tenth_of_its_recompute(
     # promotion does not end while the request waits (held by its gate).
     tier = scripted("probe", instant=True)
     async with opened(engine_id, [tier], chunks=8, recompute_s_per_chunk=5.0) as manager:
-        ks = await stored_in_tier_only(manager, 2, "probe")
+        *ks, spare = await stored_in_tier_only(manager, 3, "probe")
         probe = ScriptedTier.instances["probe"]
         probe.gate.clear()
         try:
@@ -158,8 +158,20 @@ async def test_a_tier_not_measured_yet_costs_a_request_a_tenth_of_its_recompute(
             allowed = manager.host.pending_remaining_s(later)
             assert allowed is not None and allowed <= EXPLORE_SHARE * 5.0
             await step_while_pending(manager, ks[0], later, limit_s=8)
+            # Until the probe ends, its job holds the slots it fills (being written).
+            assert all(manager.primary.ref_count(key) == -1 for key in ks)
         finally:
             probe.gate.set()
+        await manager.drain()
+        # It ended: the chunks are readable, held for neither request that gave up,
+        # and the tier is measured.
+        assert all(manager.primary.ref_count(key) == 0 for key in ks)
+        assert manager.primary.num_busy == 0
+        # A promotion from it now may cost a request the whole recompute, not a tenth.
+        measured = ReqContext("measured")
+        assert manager.lookup(spare, measured) is PENDING
+        allowed = manager.host.pending_remaining_s(measured)
+        assert allowed is not None and allowed > EXPLORE_SHARE * 5.0
 
 
 async def test_a_tier_measured_fast_enough_is_waited_for_past_the_probe_share(engine_id):
