@@ -21,6 +21,7 @@ from kvtier.errors import ConfigError
 
 __all__ = [
     "FORMAT_VERSION",
+    "LAYOUTS",
     "PAGE_SIZE",
     "ChunkGeometry",
     "ConfigReader",
@@ -37,6 +38,9 @@ PAGE_SIZE = mmap.PAGESIZE
 #: part of the storage namespace: a change here must never read old bytes as new.
 FORMAT_VERSION = 1
 
+#: How the workers' bytes of one chunk share its row (see :class:`OffloadingConfig`).
+LAYOUTS = ("direct", "canonical")
+
 _ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _REQUIRED: Any = object()
 _T = TypeVar("_T")
@@ -49,6 +53,19 @@ class OffloadingConfig:
     ``kv_bytes_per_block`` is what ONE worker (tensor-parallel rank) holds for one GPU
     block, all layers together. ``extra_config`` is the vLLM
     ``kv_connector_extra_config`` dictionary; the spec reads and validates it.
+
+    ``layout`` says how the workers' bytes of a chunk share its row (:data:`LAYOUTS`):
+
+    - ``"direct"``: each rank writes its own column, so the stored bytes depend on
+      the number of ranks.
+    - ``"canonical"``: the ranks scatter their fragments into one page laid out as if
+      there were no parallelism (each worker is given its page map), so engines of any
+      tensor-parallel size read each other's chunks. ``canonical_format`` names that
+      page layout; it is part of the storage namespace in place of the ranks.
+
+    ``replicated``: every rank holds the same bytes (an MLA model's latent KV under
+    tensor parallelism), so a row holds one copy. In the direct layout rank 0 writes
+    it; in the canonical one the page maps deal the pages out among the ranks.
     """
 
     engine_id: str
@@ -60,6 +77,9 @@ class OffloadingConfig:
     kv_dtype: str = ""
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     enable_kv_events: bool = False
+    layout: str = "direct"
+    canonical_format: str = ""
+    replicated: bool = False
 
     def __repr__(self) -> str:
         # extra_config may hold credentials (S3 keys, the p2p secret): never show them.
@@ -94,6 +114,20 @@ class OffloadingConfig:
             )
         if not isinstance(self.enable_kv_events, bool):
             raise ConfigError("enable_kv_events", "expected true or false")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(
+                "layout", f"expected one of {', '.join(LAYOUTS)}, got {self.layout!r}"
+            )
+        if not isinstance(self.replicated, bool):
+            raise ConfigError("replicated", "expected true or false")
+        if not isinstance(self.canonical_format, str):
+            raise ConfigError("canonical_format", "expected a string")
+        if (self.layout == "canonical") != bool(self.canonical_format):
+            raise ConfigError(
+                "canonical_format",
+                "names the page layout of a canonical layout, and only of one: "
+                f"got {self.canonical_format!r} with layout {self.layout!r}",
+            )
 
 
 def _check_int(path: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
@@ -113,22 +147,36 @@ def chunk_row_bytes(kv_bytes_per_block: int, blocks_per_chunk: int, world_size: 
     return round_up(kv_bytes_per_block * blocks_per_chunk * world_size, PAGE_SIZE)
 
 
+def _copies_per_row(config: OffloadingConfig) -> int:
+    """How many workers' bytes a row holds: one copy when the ranks hold the same."""
+    return 1 if config.replicated else config.world_size
+
+
 @dataclass(frozen=True)
 class ChunkGeometry:
     """How chunks map onto the primary region.
 
     A row of the region holds one chunk: one column of ``column_bytes`` per worker
-    rank, then padding up to a whole page (``chunk_bytes``).
+    rank, then padding up to a whole page (``chunk_bytes``). With a ``shared_column``
+    every rank works on the one column of each row instead: one copy of replicated
+    bytes, or a canonical page that each rank writes its fragments of.
     """
 
     tokens_per_block: int
     blocks_per_chunk: int
     world_size: int
-    #: Bytes one worker holds for one chunk: kv_bytes_per_block * blocks_per_chunk.
+    #: Bytes of one column of a row: what one worker holds for one chunk
+    #: (kv_bytes_per_block * blocks_per_chunk), or all of them in a canonical page.
     column_bytes: int
     #: Bytes of one row (all workers' columns, padded to the page size).
     chunk_bytes: int
     num_chunks: int
+    shared_column: bool = False
+
+    @property
+    def columns(self) -> int:
+        """Columns of a row: one per rank, or the one every rank shares."""
+        return 1 if self.shared_column else self.world_size
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -155,10 +203,12 @@ class ChunkGeometry:
                 f"(tokens per chunk), got {block_size}",
             )
         blocks_per_chunk = block_size // config.tokens_per_block
+        shared = config.layout == "canonical" or config.replicated
+        copies = _copies_per_row(config)
         column_bytes = config.kv_bytes_per_block * blocks_per_chunk
-        chunk_bytes = chunk_row_bytes(
-            config.kv_bytes_per_block, blocks_per_chunk, config.world_size
-        )
+        if config.layout == "canonical":
+            column_bytes *= copies
+        chunk_bytes = chunk_row_bytes(config.kv_bytes_per_block, blocks_per_chunk, copies)
         num_chunks = cpu_bytes_to_use // chunk_bytes
         if num_chunks < 1:
             raise ConfigError(
@@ -173,6 +223,7 @@ class ChunkGeometry:
             column_bytes=column_bytes,
             chunk_bytes=chunk_bytes,
             num_chunks=num_chunks,
+            shared_column=shared,
         )
 
 
@@ -352,10 +403,20 @@ def storage_namespace(config: OffloadingConfig, geometry: ChunkGeometry) -> str:
     """The identity of a chunk's bytes: stores under different namespaces never mix.
 
     Anything that changes what the bytes of a chunk mean is in it: the model, the KV
-    dtype, the chunk geometry, the number of workers and the layout version.
+    dtype, the chunk geometry, the number of workers and the layout version. A
+    canonical row is the same under any number of workers, so the canonical format
+    takes the place of the workers and columns; a replicated row holds one worker's
+    bytes, whatever the number of workers.
     """
-    return (
+    head = (
         f"kvtier/v{FORMAT_VERSION};model={config.model_name};dtype={config.kv_dtype};"
-        f"tokens={geometry.tokens_per_chunk};world={geometry.world_size};"
+        f"tokens={geometry.tokens_per_chunk};"
+    )
+    if config.layout == "canonical":
+        return f"{head}canonical={config.canonical_format};chunk={geometry.chunk_bytes}"
+    if config.replicated:
+        return f"{head}replicated;column={geometry.column_bytes};chunk={geometry.chunk_bytes}"
+    return (
+        f"{head}world={geometry.world_size};"
         f"column={geometry.column_bytes};chunk={geometry.chunk_bytes}"
     )

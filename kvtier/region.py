@@ -7,6 +7,10 @@ inside a row each worker rank owns one contiguous column::
     header page | row 0: | rank0 | rank1 | ... | pad |
                 | row 1: | rank0 | rank1 | ... | pad |
 
+A region with a shared column has one column per row that every rank works on: the
+one copy of bytes all ranks hold alike, or a canonical page each rank writes its
+fragments of (see :class:`~kvtier.config.OffloadingConfig`'s ``layout``).
+
 A worker copies GPU blocks straight into its column (one copy) and a secondary tier
 reads or writes whole rows straight from the mapping (one copy); no bytes travel
 between processes.
@@ -57,7 +61,7 @@ DEFAULT_SHM_DIR = "/dev/shm"
 
 _MAGIC = b"KVTIERRG"
 _LAYOUT_VERSION = 1
-# magic, layout version, world size, chunks, chunk bytes, column bytes, ready, reserved
+# magic, layout version, world size, chunks, chunk bytes, column bytes, ready, shared column
 _HEADER = struct.Struct("<8sIIQQQII")
 _READY_OFFSET = 40
 _SEATS_OFFSET = 64
@@ -156,14 +160,16 @@ class SharedOffloadRegion(BlockingResource):
         rank: int | None,
         shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
         join_timeout: float = 30.0,
+        shared_column: bool = False,
     ) -> None:
         if num_chunks < 1 or chunk_bytes < 1 or column_bytes < 1 or world_size < 1:
             raise ValueError("a region needs at least one chunk, row, column and worker")
         if chunk_bytes % PAGE_SIZE:
             raise ValueError(f"chunk_bytes must be a multiple of the page size {PAGE_SIZE}")
-        if column_bytes * world_size > chunk_bytes:
+        columns = 1 if shared_column else world_size
+        if column_bytes * columns > chunk_bytes:
             raise ValueError(
-                f"{world_size} columns of {column_bytes} bytes do not fit a {chunk_bytes}-byte row"
+                f"{columns} columns of {column_bytes} bytes do not fit a {chunk_bytes}-byte row"
             )
         if rank is not None and not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}) or None, got {rank}")
@@ -174,6 +180,7 @@ class SharedOffloadRegion(BlockingResource):
         self.chunk_bytes = chunk_bytes
         self.column_bytes = column_bytes
         self.world_size = world_size
+        self.shared_column = shared_column
         self.rank = rank
         self.path = region_path(engine_id, shm_dir)
         self.nbytes = _HEADER_BYTES + num_chunks * chunk_bytes
@@ -212,6 +219,7 @@ class SharedOffloadRegion(BlockingResource):
             rank=rank,
             shm_dir=shm_dir,
             join_timeout=join_timeout,
+            shared_column=geometry.shared_column,
         )
 
     # ------------------------------------------------------------------ views
@@ -238,7 +246,8 @@ class SharedOffloadRegion(BlockingResource):
         """This rank's column: a ``uint8`` tensor ``(num_chunks, column_bytes)``.
 
         Its rows are strided by ``chunk_bytes``, so copies land directly in the shared
-        mapping. Only a worker side (``rank`` set) has one.
+        mapping. Only a worker side (``rank`` set) has one; with a shared column every
+        rank's is the same.
         """
         if self.rank is None:
             raise RegionError("the scheduler side of a region has no worker column")
@@ -251,7 +260,8 @@ class SharedOffloadRegion(BlockingResource):
                 base,
                 size=(self.num_chunks, self.column_bytes),
                 stride=(self.chunk_bytes, 1),
-                storage_offset=_HEADER_BYTES + self.rank * self.column_bytes,
+                storage_offset=_HEADER_BYTES
+                + (0 if self.shared_column else self.rank) * self.column_bytes,
             )
         return self._column
 
@@ -469,7 +479,7 @@ class SharedOffloadRegion(BlockingResource):
             self.chunk_bytes,
             self.column_bytes,
             1 if ready else 0,
-            0,
+            1 if self.shared_column else 0,
         )
 
     def _require_view(self) -> memoryview:
@@ -556,8 +566,9 @@ def _free_bytes(directory: Path) -> int | None:
 
 
 def _describe(header: bytes) -> str:
-    _, version, world_size, chunks, chunk_bytes, column_bytes, _, _ = _HEADER.unpack(header)
+    _, version, world_size, chunks, chunk_bytes, column_bytes, _, shared = _HEADER.unpack(header)
+    columns = f"one shared {column_bytes}-byte column" if shared else f"{column_bytes}-byte columns"
     return (
         f"layout v{version}, {world_size} worker(s), {chunks} chunks of {chunk_bytes} bytes, "
-        f"{column_bytes}-byte columns"
+        f"{columns}"
     )

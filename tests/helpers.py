@@ -21,6 +21,9 @@ def make_config(
             "model_name",
             "kv_dtype",
             "enable_kv_events",
+            "layout",
+            "canonical_format",
+            "replicated",
         )
         if k in extra
     }

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvtier.tiering.loop import TierLoop
     from kvtier.tiering.manager import TieringOffloadingManager
     from kvtier.worker.engines import CopyEngine
+    from kvtier.worker.layout import PageMap
     from kvtier.worker.worker import OffloadingWorker
 
 __all__ = ["OffloadingSpec"]
@@ -108,11 +109,13 @@ class OffloadingSpec(AsyncResource):
         *,
         engine: CopyEngine | None = None,
         groups: Sequence[Sequence[int]] | None = None,
+        pages: Sequence[PageMap] | None = None,
     ) -> OffloadingWorker:
         """A worker for rank ``config.rank`` copying between ``kv_caches`` and the region.
 
         ``groups``: for a model with several KV-cache groups, the indices of the
         ``kv_caches`` each group's layers use (see :class:`OffloadingWorker`).
+        ``pages``: with ``config.layout`` canonical, each KV tensor's page map.
         """
 
     def shutdown(self) -> None:

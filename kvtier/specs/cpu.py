@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from kvtier.tiering.loop import TierLoop
     from kvtier.worker.engines import CopyEngine
+    from kvtier.worker.layout import PageMap
 
 __all__ = ["CPUOffloadingSpec"]
 
@@ -109,11 +110,33 @@ class CPUOffloadingSpec(OffloadingSpec):
         *,
         engine: CopyEngine | None = None,
         groups: Sequence[Sequence[int]] | None = None,
+        pages: Sequence[PageMap] | None = None,
     ) -> OffloadingWorker:
+        """This rank's worker over ``kv_caches`` (see
+        :class:`~kvtier.worker.worker.OffloadingWorker`).
+
+        Raises:
+            ValueError: the tensors do not fit the region's column; ``pages`` is given
+                without the canonical layout, or missing with it.
+        """
+        layout = self.config.layout
+        if (pages is not None) != (layout == "canonical"):
+            raise ValueError(
+                "a canonical layout's worker needs a page map per KV tensor (pages=), "
+                f"and only its worker takes one; this engine's layout is {layout!r}"
+            )
         with contextlib.ExitStack() as building:
             region = building.enter_context(self.open_region(self.config.rank))
             worker = OffloadingWorker(
-                region, kv_caches, self.blocks_per_chunk, engine=engine, groups=groups
+                region,
+                kv_caches,
+                self.blocks_per_chunk,
+                engine=engine,
+                groups=groups,
+                pages=pages,
+                # One rank writes a direct layout's single copy; a canonical layout's
+                # page maps deal its pages out among the ranks.
+                stores=not self.config.replicated or layout == "canonical" or self.config.rank == 0,
             )
             building.pop_all()  # the worker owns its region now
         self._workers.append(worker)

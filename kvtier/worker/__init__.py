@@ -7,7 +7,7 @@ from kvtier.worker.engines import (
     CpuCopyEngine,
     ThreadedCopyEngine,
 )
-from kvtier.worker.layout import ColumnLayout
+from kvtier.worker.layout import ColumnLayout, PageMap, PageRun
 from kvtier.worker.worker import GroupSplit, OffloadingWorker
 
 __all__ = [
@@ -18,5 +18,7 @@ __all__ = [
     "CpuCopyEngine",
     "GroupSplit",
     "OffloadingWorker",
+    "PageMap",
+    "PageRun",
     "ThreadedCopyEngine",
 ]

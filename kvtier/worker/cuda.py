@@ -63,6 +63,13 @@ class CudaCopyEngine(CopyEngine):
         device = layout.device
         if device.type != "cuda":
             raise ValueError(f"CudaCopyEngine needs KV tensors on a CUDA device, got {device}")
+        if layout.canonical:
+            # Its copies move whole columns; a rank's fragments of shared pages would
+            # need a copy per fragment, or a scatter on the host, which are not built.
+            raise ValueError(
+                "CudaCopyEngine cannot copy a canonical layout's fragments yet: "
+                "use the direct or replicated layout with KV tensors on a GPU"
+            )
         self._device = device
         self._store_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._load_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.resources import BlockingResource
-from kvtier.worker.layout import ColumnLayout
+from kvtier.worker.layout import ColumnLayout, TensorSlice
 
 __all__ = [
     "COMPLETED",
@@ -155,13 +155,34 @@ def copy_store(
     bpc = layout.blocks_per_chunk
     runs = _runs(gpu_block_ids, chunk_ids, bpc)
     for part in layout.groups[group]:
-        blocks, region = part.blocks, part.region_view
-        for run in runs:
-            if run.first >= 0:
-                source = blocks[run.first : run.first + run.count * bpc]
-                region[run.slot : run.slot + run.count].copy_(source.view(run.count, bpc, -1))
-            else:
-                torch.index_select(blocks, 0, torch.tensor(run.blocks), out=region[run.slot])
+        if not part.writes_all():
+            _copy_dealt_pages(part, runs, bpc)
+            continue
+        for blocks, region in part.runs:
+            for run in runs:
+                if run.first >= 0:
+                    source = blocks[run.first : run.first + run.count * bpc]
+                    region[run.slot : run.slot + run.count].copy_(
+                        source.view(run.count, bpc, *source.shape[1:])
+                    )
+                else:
+                    torch.index_select(blocks, 0, torch.tensor(run.blocks), out=region[run.slot])
+
+
+def _copy_dealt_pages(part: TensorSlice, runs: list[_Run], bpc: int) -> None:
+    """Store the pages of a canonical layout this rank is dealt, one block at a time:
+    the other ranks that hold the same fragments write the rest."""
+    page = part.page
+    assert page is not None
+    for run in runs:
+        for index in range(run.count * bpc):
+            chunk, position = divmod(index, bpc)
+            slot = run.slot + chunk
+            if not page.writes(slot * bpc + position):
+                continue
+            block = run.first + index if run.first >= 0 else run.blocks[index]
+            for blocks, region in part.runs:
+                region[slot, position].copy_(blocks[block])
 
 
 def copy_load(
@@ -171,14 +192,16 @@ def copy_load(
     bpc = layout.blocks_per_chunk
     runs = _runs(gpu_block_ids, chunk_ids, bpc)
     for part in layout.groups[group]:
-        blocks, region = part.blocks, part.region_view
-        for run in runs:
-            if run.first >= 0:
-                target = blocks[run.first : run.first + run.count * bpc]
-                target.view(run.count, bpc, -1).copy_(region[run.slot : run.slot + run.count])
-            else:
-                for j, block in enumerate(run.blocks):
-                    blocks[block].copy_(region[run.slot, j])
+        for blocks, region in part.runs:
+            for run in runs:
+                if run.first >= 0:
+                    target = blocks[run.first : run.first + run.count * bpc]
+                    target.view(run.count, bpc, *target.shape[1:]).copy_(
+                        region[run.slot : run.slot + run.count]
+                    )
+                else:
+                    for j, block in enumerate(run.blocks):
+                        blocks[block].copy_(region[run.slot, j])
 
 
 class _ThreadEvent(CopyEvent):

@@ -17,6 +17,13 @@ out of it, and the rest of the column is left alone. Such groups overlay each ot
 one allocation, so their tensors may take fewer bytes per block than the column
 offers (vLLM pads a block of the allocation); the spare bytes stay unused.
 
+A canonical layout (:class:`~kvtier.config.OffloadingConfig`'s ``layout``) gives each
+tensor a :class:`PageMap`: the column then holds, per tensor, pages laid out as if there
+were no parallelism, and each rank copies its fragments (its heads of every token, say)
+to their places in them. The runs of a page map are views of the same bytes on both
+sides, so a copy moves fragments straight between the KV tensor and the region. Ranks
+that hold the same fragments take turns writing them, page by page.
+
 vLLM's FlashAttention layout, per-layer tensors shaped ``(2, num_blocks, ...)`` (K and
 V stacked in front of the block index), is read as two tensors, the layer's K then its
 V, each with the block index first. When the tensors read right both ways (two blocks
@@ -31,7 +38,39 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ColumnLayout", "TensorSlice", "block_first_tensors"]
+__all__ = ["ColumnLayout", "PageMap", "PageRun", "TensorSlice", "block_first_tensors"]
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """Fragments of this worker's page of a block and their places in the shared page:
+    fragment ``i`` is ``size`` bytes at ``local_offset + i * local_stride`` of the
+    worker's page and at ``shared_offset + i * shared_stride`` of the shared one."""
+
+    local_offset: int
+    shared_offset: int
+    size: int
+    count: int
+    local_stride: int
+    shared_stride: int
+
+
+@dataclass(frozen=True)
+class PageMap:
+    """How one KV tensor's page of a block on this worker maps into the page that all
+    workers share (``page_bytes`` per block). ``writers`` ranks hold these very
+    fragments; of those, this one (``writer_index``) writes the pages whose id (slot
+    times blocks per chunk, plus the block's place in its chunk) it is dealt.
+    """
+
+    page_bytes: int
+    runs: tuple[PageRun, ...]
+    writers: int = 1
+    writer_index: int = 0
+
+    def writes(self, page_id: int) -> bool:
+        """Whether this rank writes shared page ``page_id``."""
+        return page_id % self.writers == self.writer_index
 
 
 @dataclass(frozen=True)
@@ -43,9 +82,19 @@ class TensorSlice:
     block_bytes: int
     #: Byte offset of this tensor's part inside the column.
     offset: int
-    #: That part of every slot: ``(num_chunks, blocks_per_chunk, block_bytes)``, a view of
+    #: That part of every slot: ``(num_chunks, blocks_per_chunk, page bytes)``, a view of
     #: the region.
     region_view: torch.Tensor
+    #: What a copy moves, as ``(blocks side, region side)`` views of the same shape past
+    #: their leading dimensions: the whole blocks and ``region_view``, or per page run
+    #: ``(num_gpu_blocks, count, size)`` and ``(num_chunks, blocks_per_chunk, count, size)``.
+    runs: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    #: The page map of a canonical layout (None: the worker's own pages, whole).
+    page: PageMap | None = None
+
+    def writes_all(self) -> bool:
+        """Whether a store writes every page (no other rank shares the writing)."""
+        return self.page is None or self.page.writers == 1
 
 
 class ColumnLayout:
@@ -55,12 +104,17 @@ class ColumnLayout:
     that group's layers use (None: one group of every tensor). With groups, the tensors
     may hold fewer bytes per block than the column offers.
 
+    ``pages`` (a canonical layout) gives one :class:`PageMap` per entry of
+    ``kv_caches``, which must then have the block index first: the column holds each
+    tensor's shared pages, and copies move the fragments the runs name.
+
     Raises:
         ValueError: the tensors read neither block index first nor as vLLM's
             ``(2, num_blocks, ...)``, with as many blocks each and as many bytes per
             block together as the column's ``column_bytes / blocks_per_chunk`` (at
-            most as many with groups); a block is not one contiguous run of bytes; or
-            a group is empty or names a tensor that is not there.
+            most as many with groups or pages); a block is not one contiguous run of
+            bytes; a group is empty or names a tensor that is not there; or the page
+            maps do not fit the tensors or the column.
     """
 
     def __init__(
@@ -69,6 +123,7 @@ class ColumnLayout:
         column: torch.Tensor,
         blocks_per_chunk: int,
         groups: Sequence[Sequence[int]] | None = None,
+        pages: Sequence[PageMap] | None = None,
     ) -> None:
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
@@ -76,22 +131,44 @@ class ColumnLayout:
         self.num_chunks, self.column_bytes = column.shape
         self.blocks_per_chunk = blocks_per_chunk
         tensors = block_first_tensors(
-            kv_caches, self.column_bytes // blocks_per_chunk, spare_bytes=groups is not None
+            kv_caches,
+            self.column_bytes // blocks_per_chunk,
+            spare_bytes=groups is not None or pages is not None,
         )
+        if pages is not None and len(pages) != len(tensors):
+            raise ValueError(
+                f"{len(pages)} page maps for {len(tensors)} KV tensors (with the block "
+                "index first): give one per tensor"
+            )
         num_blocks = tensors[0][1].shape[0]
         device = tensors[0][1].device
         all_blocks = [_as_block_bytes(tensor, name) for name, tensor in tensors]
         slices: list[TensorSlice] = []
         offset = 0
-        for blocks in all_blocks:
+        for i, blocks in enumerate(all_blocks):
             block_bytes = blocks.shape[1]
-            span = block_bytes * blocks_per_chunk
+            page = None if pages is None else pages[i]
+            page_bytes = block_bytes if page is None else page.page_bytes
+            span = page_bytes * blocks_per_chunk
+            if offset + span > self.column_bytes:
+                raise ValueError(
+                    f"{tensors[i][0]}'s {page_bytes}-byte shared pages do not fit the "
+                    f"column's {self.column_bytes // blocks_per_chunk} bytes per block "
+                    f"after the {offset // blocks_per_chunk} the tensors before it take"
+                )
             region_view = column[:, offset : offset + span].view(
-                self.num_chunks, blocks_per_chunk, block_bytes
+                self.num_chunks, blocks_per_chunk, page_bytes
             )
-            slices.append(TensorSlice(blocks, block_bytes, offset, region_view))
+            runs = (
+                ((blocks, region_view),)
+                if page is None
+                else _page_runs(page, blocks, region_view, tensors[i][0])
+            )
+            slices.append(TensorSlice(blocks, block_bytes, offset, region_view, runs, page))
             offset += span
         self.slices = tuple(slices)
+        #: Whether the column holds shared pages that each rank writes fragments of.
+        self.canonical = pages is not None
         self.num_gpu_blocks = num_blocks
         self.device = device
         #: How the host's tensors were read: as they are, or split into K and V views.
@@ -129,6 +206,41 @@ class ColumnLayout:
                 )
             )
         return tuple(out)
+
+
+def _page_runs(
+    page: PageMap, blocks: torch.Tensor, region_view: torch.Tensor, name: str
+) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """The ``(blocks side, region side)`` views of each run of ``page``.
+
+    Raises:
+        ValueError: a run reaches past the tensor's block or the shared page.
+    """
+    block_bytes = blocks.shape[1]
+    out = []
+    for run in page.runs:
+        if run.size < 1 or run.count < 1:
+            raise ValueError(f"{name}: a page run moves no bytes ({run})")
+        local_end = run.local_offset + (run.count - 1) * run.local_stride + run.size
+        shared_end = run.shared_offset + (run.count - 1) * run.shared_stride + run.size
+        if min(run.local_offset, run.shared_offset) < 0 or local_end > block_bytes:
+            raise ValueError(f"{name}: a page run reaches past its {block_bytes}-byte block")
+        if shared_end > page.page_bytes:
+            raise ValueError(
+                f"{name}: a page run reaches past its {page.page_bytes}-byte shared page"
+            )
+        local = blocks.as_strided(
+            (blocks.shape[0], run.count, run.size),
+            (blocks.stride(0), run.local_stride, 1),
+            blocks.storage_offset() + run.local_offset,
+        )
+        shared = region_view.as_strided(
+            (*region_view.shape[:2], run.count, run.size),
+            (*region_view.stride()[:2], run.shared_stride, 1),
+            region_view.storage_offset() + run.shared_offset,
+        )
+        out.append((local, shared))
+    return tuple(out)
 
 
 def block_first_tensors(

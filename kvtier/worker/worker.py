@@ -20,7 +20,7 @@ from kvtier.records import TransferResult
 from kvtier.region import SharedOffloadRegion
 from kvtier.resources import BlockingResource, close_all, resolve_threadsafe
 from kvtier.worker.engines import COMPLETED, LOAD, STORE, CopyEngine, CopyEvent, CpuCopyEngine
-from kvtier.worker.layout import ColumnLayout
+from kvtier.worker.layout import ColumnLayout, PageMap
 
 __all__ = ["BlockIds", "GroupSplit", "OffloadingWorker"]
 
@@ -152,6 +152,11 @@ class OffloadingWorker(BlockingResource):
     slot then holds one chunk of one group, and every copy names how it divides among
     the groups with a :class:`GroupSplit`.
 
+    In a canonical layout ``pages`` gives each KV tensor's
+    :class:`~kvtier.worker.layout.PageMap`: the worker then copies its fragments of the
+    shared pages. ``stores=False`` makes a worker whose bytes another rank writes (a
+    replicated layout's ranks but the first) complete its stores without copying.
+
     Raises:
         ValueError: ``kv_caches`` fit neither layout, or ``groups`` names tensors that
             are not there; the message says what to pass.
@@ -165,9 +170,14 @@ class OffloadingWorker(BlockingResource):
         *,
         engine: CopyEngine | None = None,
         groups: Sequence[Sequence[int]] | None = None,
+        pages: Sequence[PageMap] | None = None,
+        stores: bool = True,
     ) -> None:
         self.region = region
-        self.layout = ColumnLayout(kv_caches, region.worker_column(), blocks_per_chunk, groups)
+        self.layout = ColumnLayout(
+            kv_caches, region.worker_column(), blocks_per_chunk, groups, pages
+        )
+        self._stores = stores
         if self.layout.split_kv:
             logger.info(
                 "rank %s: %d KV tensors read as vLLM's (2, num_blocks, ...) layout, "
@@ -348,7 +358,7 @@ class OffloadingWorker(BlockingResource):
                 direction, gpu_block_ids, chunk_ids, groups
             )
         started = time.perf_counter()
-        if nbytes == 0:
+        if nbytes == 0 or (direction == STORE and not self._stores):
             report(TransferResult(job_id, True, 0, 0.0))
             return
         try:
@@ -513,10 +523,12 @@ class OffloadingWorker(BlockingResource):
         ]
         for tensor in self.layout.groups[part.group]:
             for slot, offset, block in partial:
-                if direction == STORE:
-                    tensor.region_view[slot, offset].copy_(tensor.blocks[block])
-                else:
-                    tensor.blocks[block].copy_(tensor.region_view[slot, offset])
+                if direction == LOAD:
+                    for blocks, region in tensor.runs:
+                        blocks[block].copy_(region[slot, offset])
+                elif tensor.page is None or tensor.page.writes(slot * bpc + offset):
+                    for blocks, region in tensor.runs:
+                        region[slot, offset].copy_(blocks[block])
         if last_whole <= 1:
             return part.gpu_ids[:0], part.slots[:0]
         start = bpc - skip_blocks

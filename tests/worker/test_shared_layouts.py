@@ -1,0 +1,267 @@
+"""Rows that every rank works on: canonical pages the ranks scatter their heads into,
+and the one copy of bytes that all ranks hold alike (replicated)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers import make_config
+
+from kvtier import ConfigError, OffloadingSpecFactory
+from kvtier.config import storage_namespace
+from kvtier.worker import PageMap, PageRun
+
+NUM_GPU_BLOCKS = 8
+TOKENS = 4
+HEADS = 4
+HEAD_SIZE = 4  # float16: 8 bytes a head
+HEAD_BYTES = 2 * HEAD_SIZE
+#: Eight rows: each row is padded to a page.
+CPU_BYTES = 8 * 8192
+
+
+def full_kv(seed: int) -> torch.Tensor:
+    """A layer's KV with every head: (blocks, K/V, tokens, heads, head size)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_GPU_BLOCKS, 2, TOKENS, HEADS, HEAD_SIZE)
+    return torch.randn(shape, generator=gen).to(torch.float16)
+
+
+def shard(kv: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s heads of ``kv`` under ``world``-way tensor parallelism."""
+    heads = HEADS // world
+    return kv[:, :, :, rank * heads : (rank + 1) * heads].contiguous()
+
+
+def head_pages(rank: int, world: int) -> PageMap:
+    """Where rank ``rank``'s token rows go in a page of all heads: K then V, each token's
+    heads in rank order."""
+    row = HEADS // world * HEAD_BYTES
+    runs = tuple(
+        PageRun(
+            local_offset=half * TOKENS * row,
+            shared_offset=half * TOKENS * world * row + rank * row,
+            size=row,
+            count=TOKENS,
+            local_stride=row,
+            shared_stride=world * row,
+        )
+        for half in range(2)
+    )
+    return PageMap(page_bytes=world * 2 * TOKENS * row, runs=runs)
+
+
+def canonical_spec(engine_id: str, rank: int, world: int, **extra):
+    config = make_config(
+        engine_id,
+        kv_bytes_per_block=2 * TOKENS * HEADS // world * HEAD_BYTES,
+        tokens_per_block=TOKENS,
+        world_size=world,
+        rank=rank,
+        layout="canonical",
+        canonical_format="test-nhd",
+        cpu_bytes_to_use=CPU_BYTES,
+        **extra,
+    )
+    return OffloadingSpecFactory.create_spec(config)
+
+
+def wait_finished(worker, count):
+    results = []
+    pause = threading.Event()
+    for _ in range(3000):
+        results += worker.get_finished()
+        if len(results) >= count:
+            return results
+        pause.wait(0.01)
+    raise AssertionError(f"only {len(results)} of {count} jobs finished")
+
+
+def store(worker, job_id, blocks, slots):
+    worker.submit_store(job_id, blocks, slots)
+    [result] = wait_finished(worker, 1)
+    assert result.success
+
+
+def load(worker, job_id, slots, blocks):
+    worker.submit_load(job_id, slots, blocks)
+    [result] = wait_finished(worker, 1)
+    assert result.success
+
+
+def page_bytes(kv: torch.Tensor, blocks: list[int]) -> bytes:
+    return b"".join(kv[block].numpy().tobytes() for block in blocks)
+
+
+@pytest.mark.parametrize("block_size", [TOKENS, 2 * TOKENS])
+def test_two_ranks_scatter_their_heads_into_the_page_one_rank_would_write(engine_id, block_size):
+    # The page two ranks fill with half the heads each is byte for byte the one a
+    # single rank holding every head writes: the bytes do not depend on the ranks.
+    kv = full_kv(1)
+    blocks = [5, 2] if block_size > TOKENS else [5]
+    specs = [canonical_spec(engine_id, r, 2, block_size=block_size) for r in range(2)]
+    manager = specs[0].get_manager()
+    shards = [shard(kv, r, 2) for r in range(2)]
+    workers = [
+        spec.create_worker([part], pages=[head_pages(r, 2)])
+        for r, (spec, part) in enumerate(zip(specs, shards, strict=True))
+    ]
+    alone = canonical_spec(f"{engine_id}-one", 0, 1, block_size=block_size)
+    alone_manager = alone.get_manager()
+    alone_worker = alone.create_worker([kv.clone()], pages=[head_pages(0, 1)])
+    try:
+        for worker in workers:
+            store(worker, 1, blocks, [3])
+        store(alone_worker, 1, blocks, [6])
+        assert specs[0].geometry.chunk_bytes == alone.geometry.chunk_bytes
+        assert storage_namespace(specs[0].config, specs[0].geometry) == storage_namespace(
+            alone.config, alone.geometry
+        )
+        row = bytes(manager.region.primary_view[3])
+        assert row == bytes(alone_manager.region.primary_view[6])
+        assert row[: len(blocks) * kv[0].nbytes] == page_bytes(kv, blocks)
+
+        # Each rank loads back its own heads, and only them.
+        for r, (worker, part) in enumerate(zip(workers, shards, strict=True)):
+            part.zero_()
+            load(worker, 2, [3], [1, 7][: len(blocks)])
+            for block, source in zip([1, 7], blocks, strict=False):
+                assert torch.equal(part[block], shard(kv, r, 2)[source])
+    finally:
+        for spec in (*reversed(specs), alone):
+            spec.shutdown()
+
+
+def test_a_load_inside_a_chunk_reads_only_its_blocks_fragments(engine_id):
+    kv = full_kv(2)
+    specs = [canonical_spec(engine_id, r, 2, block_size=2 * TOKENS) for r in range(2)]
+    specs[0].get_manager()
+    shards = [shard(kv, r, 2) for r in range(2)]
+    workers = [
+        spec.create_worker([part], pages=[head_pages(r, 2)])
+        for r, (spec, part) in enumerate(zip(specs, shards, strict=True))
+    ]
+    try:
+        for worker in workers:
+            store(worker, 1, [0, 1, 2, 3], [4, 5])
+        for r, (worker, part) in enumerate(zip(workers, shards, strict=True)):
+            part.zero_()
+            worker.submit_load(2, [4, 5], [6, 7], skip_blocks=1)
+            assert all(result.success for result in wait_finished(worker, 1))
+            expected = shard(kv, r, 2)
+            assert torch.equal(part[6], expected[1]) and torch.equal(part[7], expected[2])
+            assert not part[:6].any()
+    finally:
+        for spec in reversed(specs):
+            spec.shutdown()
+
+
+def test_ranks_that_hold_the_same_fragments_take_turns_writing_pages(engine_id):
+    # Both ranks hold every head alike (more ranks than KV heads): each writes the
+    # pages it is dealt, so one rank's stores fill every other page, both fill all.
+    kv = full_kv(3)
+    whole = kv[0].nbytes
+    run = PageRun(0, 0, whole, 1, whole, whole)
+    specs = [
+        OffloadingSpecFactory.create_spec(
+            make_config(
+                engine_id,
+                kv_bytes_per_block=whole,
+                tokens_per_block=TOKENS,
+                world_size=2,
+                rank=r,
+                layout="canonical",
+                canonical_format="test-nhd",
+                cpu_bytes_to_use=CPU_BYTES,
+            )
+        )
+        for r in range(2)
+    ]
+    manager = specs[0].get_manager()
+    workers = [
+        spec.create_worker(
+            [kv.clone()], pages=[PageMap(page_bytes=whole, runs=(run,), writers=2, writer_index=r)]
+        )
+        for r, spec in enumerate(specs)
+    ]
+    try:
+        store(workers[0], 1, [0, 1, 2, 3], [0, 1, 2, 3])
+        rows = [bytes(manager.region.primary_view[slot])[:whole] for slot in range(4)]
+        assert rows[0] == page_bytes(kv, [0]) and rows[2] == page_bytes(kv, [2])
+        assert rows[1] == rows[3] == bytes(whole)
+        store(workers[1], 1, [0, 1, 2, 3], [0, 1, 2, 3])
+        for slot in range(4):
+            assert bytes(manager.region.primary_view[slot])[:whole] == page_bytes(kv, [slot])
+    finally:
+        for spec in reversed(specs):
+            spec.shutdown()
+
+
+def test_a_replicated_row_holds_one_copy_written_by_rank_0_and_read_by_all(engine_id):
+    kv = full_kv(4)
+    per_block = kv[0].nbytes
+    specs = [
+        OffloadingSpecFactory.create_spec(
+            make_config(
+                engine_id,
+                kv_bytes_per_block=per_block,
+                tokens_per_block=TOKENS,
+                world_size=2,
+                rank=r,
+                replicated=True,
+                cpu_bytes_to_use=CPU_BYTES,
+            )
+        )
+        for r in range(2)
+    ]
+    manager = specs[0].get_manager()
+    tensors = [kv.clone(), kv.clone()]
+    workers = [spec.create_worker([tensors[r]]) for r, spec in enumerate(specs)]
+    try:
+        # One column a row, where two ranks would take two.
+        assert specs[0].geometry.columns == 1
+        assert specs[0].geometry.column_bytes == per_block
+        store(workers[1], 1, [3], [0])
+        assert not any(bytes(manager.region.primary_view[0]))
+        store(workers[0], 1, [3], [0])
+        assert bytes(manager.region.primary_view[0])[:per_block] == page_bytes(kv, [3])
+        tensors[1].zero_()
+        load(workers[1], 2, [0], [6])
+        assert torch.equal(tensors[1][6], kv[3])
+        namespace = storage_namespace(specs[0].config, specs[0].geometry)
+        assert "replicated" in namespace and "world=" not in namespace
+    finally:
+        for spec in reversed(specs):
+            spec.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"layout": "mirrored"}, "layout"),
+        ({"layout": "canonical"}, "canonical_format"),
+        ({"canonical_format": "v1-nhd"}, "canonical_format"),
+    ],
+)
+def test_a_bad_layout_is_named(engine_id, fields, key):
+    with pytest.raises(ConfigError, match=key):
+        make_config(engine_id, **fields)
+
+
+def test_a_worker_takes_page_maps_exactly_when_the_layout_is_canonical(engine_id):
+    direct = OffloadingSpecFactory.create_spec(make_config(engine_id, kv_bytes_per_block=512))
+    with pytest.raises(ValueError, match="page map"):
+        direct.create_worker([full_kv(0)], pages=[head_pages(0, 1)])
+    direct.shutdown()
+    canonical = canonical_spec(f"{engine_id}-c", 0, 1)
+    with pytest.raises(ValueError, match="page map"):
+        canonical.create_worker([full_kv(0)])
+    too_far = PageMap(page_bytes=256, runs=(PageRun(0, 128, 256, 1, 256, 256),))
+    with pytest.raises(ValueError, match="reaches past its 256-byte shared page"):
+        canonical.create_worker([full_kv(0)], pages=[too_far])
+    too_big = PageMap(page_bytes=512, runs=(PageRun(0, 0, 256, 1, 256, 256),))
+    with pytest.raises(ValueError, match="512-byte shared pages do not fit"):
+        canonical.create_worker([full_kv(0)], pages=[too_big])
+    canonical.shutdown()
