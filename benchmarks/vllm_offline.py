@@ -50,6 +50,7 @@ with warnings.catch_warnings():
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
+        MLAAttentionSpec,
         SlidingWindowSpec,
     )
     from vllm.v1.kv_offload.config import (
@@ -65,10 +66,12 @@ with warnings.catch_warnings():
 
 __all__ = [
     "MAX_MODEL_LEN",
+    "MLA_MODEL_DIR",
     "MODEL_DIR",
     "SPEC_CONFIG",
     "FullAttentionSpec",
     "KVCacheConfig",
+    "MLAAttentionSpec",
     "ModelConfig",
     "ModelRunnerOutput",
     "OffloadingConnector",
@@ -95,6 +98,9 @@ __all__ = [
 #: A tiny Llama config.json: it satisfies ModelConfig offline; the KV cache is sized by
 #: hand, not from it.
 MODEL_DIR = Path(__file__).resolve().parents[1] / "tests" / "integrations" / "vllm" / "model"
+#: A tiny DeepSeek-V2 config.json: a model vLLM runs with MLA (one latent KV per token
+#: that every tensor-parallel rank holds alike).
+MLA_MODEL_DIR = MODEL_DIR.with_name("mla_model")
 MAX_MODEL_LEN = 2048  # the tiny config's max_position_embeddings
 SPEC_CONFIG = {
     "spec_name": "KVTierOffloadingSpec",
@@ -102,10 +108,11 @@ SPEC_CONFIG = {
 }
 
 
-def model_config() -> ModelConfig:
-    """The offline model config (vLLM probes its architecture once per cache root)."""
+def model_config(*, mla: bool = False) -> ModelConfig:
+    """The offline model config (vLLM probes its architecture once per cache root):
+    the tiny Llama, or with ``mla`` the tiny DeepSeek-V2."""
     return ModelConfig(
-        model=str(MODEL_DIR),
+        model=str(MLA_MODEL_DIR if mla else MODEL_DIR),
         skip_tokenizer_init=True,
         dtype="float16",
         max_model_len=MAX_MODEL_LEN,
@@ -254,9 +261,16 @@ def offloading_config(
     tokens_per_block: int = 16,
     blocks_per_chunk: int = 1,
     model: str = "tiny",
+    world_size: int = 1,
+    agnostic: bool = True,
+    canonical_layout: bool = False,
+    replicated_layout: bool = False,
+    kv_cache_layout: str | None = "LBNHC",
 ) -> OffloadingConfig:
-    """vLLM's normalized offloading config for one worker of one engine (no parallelism):
-    what ``OffloadingSpecFactory.create_spec`` takes, without an engine around it."""
+    """vLLM's normalized offloading config for the scheduler side of one engine (no
+    parallelism unless ``world_size`` says): what ``OffloadingSpecFactory.create_spec``
+    takes, without an engine around it. ``agnostic`` is what vLLM would have certified
+    of the pages; the layout flags are the ones vLLM derives."""
     return OffloadingConfig(
         groups=tuple(
             OffloadingGroupConfig(tokens_per_block, (f"model.layers.{i}.self_attn.attn",), i)
@@ -272,16 +286,19 @@ def offloading_config(
         ),
         parallel=OffloadingParallelConfig(
             rank=0,
-            world_size=1,
-            tp_size=1,
+            world_size=world_size,
+            tp_size=world_size,
             pp_size=1,
             pcp_size=1,
             dcp_size=1,
             data_parallel_index=0,
             data_parallel_size=1,
             data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
+            is_parallelism_agnostic=agnostic,
         ),
+        replicated_layout=replicated_layout,
+        canonical_layout=canonical_layout,
+        kv_cache_layout=kv_cache_layout,
     )
 
 

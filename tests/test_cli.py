@@ -404,11 +404,6 @@ def test_plan_never_imports_vllm_to_check_a_vllm_configuration(tmp_path):
             "blocks_per_chunk: 2 blocks of 16 tokens make 32-token chunks, but block_size says 64",
             id="two-chunk-sizes",
         ),
-        pytest.param(
-            {"canonical_layout": True},
-            "canonical_layout: is not supported by KVTierOffloadingSpec",
-            id="canonical-layout",
-        ),
     ],
 )
 def test_plan_and_bench_refuse_a_vllm_configuration_saying_where_a_key_belongs(

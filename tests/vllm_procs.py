@@ -8,6 +8,13 @@ its worker-role ``OffloadingConnector``; for each step it writes the KV of the t
 scheduled, bytes derived from the token's whole prefix, its KV-cache group and the
 rank, so any block that holds other bytes (another prefix's, group's or rank's) fails
 the check made when a request is first scheduled.
+
+A runner's ``shape`` says how the ranks' bytes relate, as in the models people run:
+
+- ``"salted"``: each rank's KV is its own (salted by the rank), two heads per rank.
+- ``"sharded"``: the ranks split the model's KV heads evenly, as tensor parallelism
+  does: each holds its heads of the one KV the model computes, whatever the ranks.
+- ``"mla"``: an MLA model's latent KV, the same on every rank.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from vllm_offline import (
     FullAttentionSpec,
     KVCacheConfig,
+    MLAAttentionSpec,
     ModelRunnerOutput,
     OffloadingConnector,
     SchedulerOutput,
@@ -36,38 +44,76 @@ from vllm_offline import (
 TOKENS_PER_BLOCK = 16
 NUM_KV_HEADS = 2
 HEAD_SIZE = 16
+#: The tiny Llama's KV heads (config.json), which "sharded" ranks split among them.
+TOTAL_KV_HEADS = 2
+#: The tiny DeepSeek-V2's latent per token: kv_lora_rank + qk_rope_head_dim.
+MLA_HEAD_SIZE = 24
+SHAPES = ("salted", "sharded", "mla")
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 #: A hybrid model's sliding-window layers (group 1), beside LAYERS (group 0).
 WINDOW_LAYERS = ("model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn")
 TIMEOUT_S = 60
 
 
-def token_kv(tokens: list[int], position: int, group: int = 0, rank: int = 0) -> torch.Tensor:
+def token_kv(
+    tokens: list[int],
+    position: int,
+    group: int = 0,
+    rank: int = 0,
+    *,
+    shape: str = "salted",
+    world_size: int = 1,
+) -> torch.Tensor:
     """The KV of the token at ``position`` in a layer of KV-cache group ``group`` on
-    worker ``rank``: bytes that depend on every token up to it, the group and the rank."""
-    salt = f"{group}/{rank}:" if group or rank else ""
+    worker ``rank`` of ``world_size``: bytes that depend on every token up to it and the
+    group, and for a ``"salted"`` shape on the rank (see the module's shapes)."""
+    salted = shape == "salted" and rank
+    salt = f"{group}/{rank if salted else 0}:" if group or salted else ""
     digest = hashlib.blake2b((salt + repr(tokens[: position + 1])).encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest, "big") & ((1 << 63) - 1))
-    return torch.randn((2, NUM_KV_HEADS, HEAD_SIZE), generator=gen).to(torch.float16)
+    if shape == "mla":
+        return torch.randn((MLA_HEAD_SIZE,), generator=gen).to(torch.float16)
+    if shape == "salted":
+        return torch.randn((2, NUM_KV_HEADS, HEAD_SIZE), generator=gen).to(torch.float16)
+    whole = torch.randn((2, TOTAL_KV_HEADS, HEAD_SIZE), generator=gen).to(torch.float16)
+    heads = TOTAL_KV_HEADS // world_size
+    return whole[:, rank * heads : (rank + 1) * heads]
+
+
+def kv_heads(shape: str, world_size: int) -> int:
+    """KV heads a rank holds."""
+    return TOTAL_KV_HEADS // world_size if shape == "sharded" else NUM_KV_HEADS
 
 
 def kv_cache_config(
-    num_blocks: int, sliding_window: int | None
+    num_blocks: int, sliding_window: int | None, shape: str = "salted", world_size: int = 1
 ) -> tuple[KVCacheConfig, tuple[tuple[str, ...], ...]]:
-    """vLLM's KV cache config, and the layers of each of its groups: one full-attention
-    group, or (``sliding_window`` set) a hybrid model's full-attention and
-    sliding-window groups overlaying each other."""
+    """vLLM's KV cache config of one rank, and the layers of each of its groups: one
+    full-attention group (of MLA layers for the ``"mla"`` shape), or (``sliding_window``
+    set) a hybrid model's full-attention and sliding-window groups overlaying each
+    other."""
+    assert shape in SHAPES, shape
+    if shape == "mla":
+        assert sliding_window is None, "the MLA model here has no sliding window"
+        latent = MLAAttentionSpec(
+            block_size=TOKENS_PER_BLOCK,
+            num_kv_heads=1,
+            head_size=MLA_HEAD_SIZE,
+            dtype=torch.float16,
+        )
+        config = one_group_kv_cache(num_blocks, LAYERS, latent)
+        # vLLM's planner counts the ranks holding each latent alike.
+        config.kv_tp_replicas = world_size
+        return config, (LAYERS,)
+    heads = kv_heads(shape, world_size)
     attention = FullAttentionSpec(
-        block_size=TOKENS_PER_BLOCK,
-        num_kv_heads=NUM_KV_HEADS,
-        head_size=HEAD_SIZE,
-        dtype=torch.float16,
+        block_size=TOKENS_PER_BLOCK, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float16
     )
     if sliding_window is None:
         return one_group_kv_cache(num_blocks, LAYERS, attention), (LAYERS,)
     window = SlidingWindowSpec(
         block_size=TOKENS_PER_BLOCK,
-        num_kv_heads=NUM_KV_HEADS,
+        num_kv_heads=heads,
         head_size=HEAD_SIZE,
         dtype=torch.float16,
         sliding_window=sliding_window,
@@ -87,14 +133,24 @@ class ModelRunner:
         *,
         rank: int = 0,
         copies: bool = True,
+        shape: str = "salted",
     ) -> None:
         self.rank = rank
+        self.shape = shape
+        self.world_size = config.parallel_config.world_size
         self.sliding_window = sliding_window
-        self.kv_cache_config, self.groups = kv_cache_config(num_blocks, sliding_window)
-        # (num_blocks, K/V, tokens, heads, head size): the first dimension is the block.
+        self.kv_cache_config, self.groups = kv_cache_config(
+            num_blocks, sliding_window, shape, self.world_size
+        )
+        # (num_blocks, K/V, tokens, heads, head size): the first dimension is the block;
+        # an MLA layer's (num_blocks, tokens, latent).
         # Layer i of each group is the same tensor: the groups overlay each other.
-        shape = (num_blocks, 2, TOKENS_PER_BLOCK, NUM_KV_HEADS, HEAD_SIZE)
-        shared = [torch.zeros(shape, dtype=torch.float16) for _ in LAYERS]
+        dims = (
+            (num_blocks, TOKENS_PER_BLOCK, MLA_HEAD_SIZE)
+            if shape == "mla"
+            else (num_blocks, 2, TOKENS_PER_BLOCK, kv_heads(shape, self.world_size), HEAD_SIZE)
+        )
+        shared = [torch.zeros(dims, dtype=torch.float16) for _ in LAYERS]
         self.caches = {name: shared[i] for layers in self.groups for i, name in enumerate(layers)}
         #: None: every transfer job completes at once, no byte is checked (the scheduler
         #: side of a spec whose worker needs a GPU).
@@ -154,9 +210,9 @@ class ModelRunner:
                     )
                     continue
                 offset = position % TOKENS_PER_BLOCK
-                expected = token_kv(tokens, position, group, self.rank)
+                expected = self._kv(tokens, position, group)
                 for name in layers:
-                    got = self.caches[name][block, :, offset]
+                    got = self._token(name, block, offset)
                     assert torch.equal(got, expected), (
                         f"{req_id}: token {position} in GPU block {block} of {name} on rank "
                         f"{self.rank} holds other bytes than were computed for it"
@@ -171,9 +227,19 @@ class ModelRunner:
                 block = blocks[position // TOKENS_PER_BLOCK]
                 if block == 0:  # a window's token passed by within this step
                     continue
-                kv = token_kv(tokens, position, group, self.rank)
+                kv = self._kv(tokens, position, group)
                 for name in layers:
-                    self.caches[name][block, :, position % TOKENS_PER_BLOCK] = kv
+                    self._token(name, block, position % TOKENS_PER_BLOCK)[...] = kv
+
+    def _kv(self, tokens: list[int], position: int, group: int) -> torch.Tensor:
+        return token_kv(
+            tokens, position, group, self.rank, shape=self.shape, world_size=self.world_size
+        )
+
+    def _token(self, layer: str, block: int, offset: int) -> torch.Tensor:
+        """A token's KV in a layer's block, as a view."""
+        cache = self.caches[layer]
+        return cache[block, offset] if self.shape == "mla" else cache[block, :, offset]
 
     def wipe(self) -> None:
         """Zero the KV tensors, so only loads refill them."""
@@ -197,7 +263,7 @@ def worker(conn: Connection) -> None:
     """A worker process: one rank's runner at a time, for one engine after another
     (starting a process that imports vLLM takes seconds, an engine's runner does not).
 
-    Answers each message: ``("open", (config, num_blocks, sliding_window, rank))``
+    Answers each message: ``("open", (config, num_blocks, sliding_window, rank, shape))``
     with ``"opened"``, ``("step", (out, tokens, sampled))`` with the step's result,
     ``("wipe", None)`` with ``"wiped"``, ``("close", None)`` (the runner) with
     ``"closed"``, ``("exit", None)`` with ``"exited"``; a failure with ``("error",
@@ -209,9 +275,9 @@ def worker(conn: Connection) -> None:
         kind, payload = conn.recv()
         try:
             if kind == "open":
-                config, num_blocks, sliding_window, rank = payload
+                config, num_blocks, sliding_window, rank, shape = payload
                 config.parallel_config.rank = rank
-                runner = ModelRunner(config, num_blocks, sliding_window, rank=rank)
+                runner = ModelRunner(config, num_blocks, sliding_window, rank=rank, shape=shape)
                 conn.send("opened")
             elif kind == "exit":
                 break

@@ -32,6 +32,14 @@ What vLLM does differently from a kvtier host, and how the adapter answers it:
   (``group_sizes``; a sliding-window group may start inside its first chunk).
 - Under tensor parallelism each worker rank copies only its own column of every slot;
   vLLM counts a job done once every rank reported it.
+- With ``canonical_layout: true`` vLLM certifies each layer and gives every worker a
+  map of its page into the page of a model without parallelism: the ranks scatter their
+  fragments into one shared page per block, and the namespace names that format instead
+  of the ranks, so engines of any tensor-parallel size share stored chunks. A
+  configuration vLLM does not certify is refused at start.
+- An MLA model under tensor parallelism (vLLM's ``replicated_layout``) keeps one copy of
+  its latent KV per chunk, written by rank 0 (the canonical layout deals the pages
+  out among the ranks instead) and read by every rank.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+    canonical_format_id,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -52,6 +63,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvtier
 from kvtier.config import OffloadingConfig
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm_config import translate_extra_config
 from kvtier.integrations.vllm_stats import StatsRecorder, vllm_metric_definitions
 from kvtier.keys import OffloadKey
@@ -61,6 +73,7 @@ from kvtier.specs.cpu import CPUOffloadingSpec
 from kvtier.specs.factory import spec_name_for
 from kvtier.specs.tiering import TieringOffloadingSpec
 from kvtier.tiering.manager import TieringOffloadingManager
+from kvtier.worker.layout import PageMap, PageRun
 from kvtier.worker.worker import GroupSplit, OffloadingWorker
 
 __all__ = [
@@ -174,6 +187,8 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
         tokens_per_block = config.groups[0].tokens_per_block
         extra = translate_extra_config(config.extra_config)
         extra["block_size"] = tokens_per_block * self.blocks_per_chunk
+        # vLLM's connector then lets rank 0 alone submit the stores of a direct layout.
+        self.replicated_layout = bool(config.replicated_layout)
         self.kvtier_config = OffloadingConfig(
             engine_id=_engine_id(config.engine_id),
             kv_bytes_per_block=config.worker_kv_bytes_per_block,
@@ -184,6 +199,8 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
             kv_dtype=_kv_format(config),
             extra_config=extra,
             enable_kv_events=config.enable_kv_cache_events,
+            replicated=self.replicated_layout,
+            **_canonical(config),
         )
         self.kvtier_spec: CPUOffloadingSpec = _kvtier_spec_class(extra)(self.kvtier_config)
         self._manager: KVTierOffloadingManager | None = None
@@ -221,7 +238,82 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
                     )
         tensors = [entry.tensor for entry in kv_caches.tensors]
         indices = [[ref.tensor_idx for ref in refs] for refs in kv_caches.group_data_refs]
-        return KVTierOffloadingWorker(self.kvtier_spec.create_worker(tensors, groups=indices))
+        pages = _page_maps(kv_caches) if self.kvtier_config.layout == "canonical" else None
+        return KVTierOffloadingWorker(
+            self.kvtier_spec.create_worker(tensors, groups=indices, pages=pages)
+        )
+
+
+def _canonical(config: VllmOffloadingConfig) -> dict[str, str]:
+    """kvtier's layout fields for vLLM's ``canonical_layout``.
+
+    Raises:
+        ConfigError: canonical_layout is asked for where vLLM does not certify the
+            model's pages as the same under any parallelism, or vLLM resolved no KV
+            cache layout to name the format by.
+    """
+    if not config.canonical_layout:
+        return {}
+    if not config.parallel.is_parallelism_agnostic:
+        raise ConfigError(
+            "canonical_layout",
+            "vLLM does not certify this model's KV pages as the same under any "
+            "parallelism (it does for attention layers whose KV heads are split evenly "
+            "across tensor-parallel ranks, or an MLA latent, without pipeline or context "
+            "parallelism); kvtier would store them in a form only engines of this "
+            "topology read, so it refuses: remove canonical_layout",
+        )
+    if not config.kv_cache_layout:
+        raise ConfigError(
+            "canonical_layout", "vLLM resolved no KV cache layout to name the canonical format by"
+        )
+    return {"layout": "canonical", "canonical_format": canonical_format_id(config.kv_cache_layout)}
+
+
+def _page_maps(kv_caches: vllm_base.CanonicalKVCaches) -> list[PageMap]:
+    """Each KV tensor's map into the canonical page, from vLLM's per-layer mappings.
+
+    Raises:
+        ValueError: a layer's page is not certified (vLLM gave it no mapping), or layers
+            sharing a tensor map it differently.
+    """
+    found: dict[int, Any] = {}
+    for g, refs in enumerate(kv_caches.group_data_refs):
+        for ref in refs:
+            if ref.mapping is None or not ref.mapping.parallelism_agnostic:
+                raise ValueError(
+                    f"canonical_layout: vLLM could not certify a layer of KV-cache group "
+                    f"{g} (KV tensor {ref.tensor_idx}) for the canonical layout; kvtier "
+                    "refuses to store it in a topology-dependent form: remove "
+                    "canonical_layout"
+                )
+            if found.setdefault(ref.tensor_idx, ref.mapping) != ref.mapping:
+                raise ValueError(
+                    f"canonical_layout: layers sharing KV tensor {ref.tensor_idx} map its "
+                    "pages differently; kvtier copies one map per tensor"
+                )
+    missing = [i for i in range(len(kv_caches.tensors)) if i not in found]
+    if missing:
+        raise ValueError(f"canonical_layout: no layer maps KV tensor(s) {missing}")
+    return [
+        PageMap(
+            page_bytes=mapping.canonical_page_size_bytes,
+            runs=tuple(
+                PageRun(
+                    local_offset=run.local_offset,
+                    shared_offset=run.canonical_offset,
+                    size=run.fragment_size,
+                    count=run.num_fragments,
+                    local_stride=run.local_stride,
+                    shared_stride=run.canonical_stride,
+                )
+                for run in mapping.runs
+            ),
+            writers=mapping.num_writers,
+            writer_index=mapping.writer_index,
+        )
+        for mapping in (found[i] for i in range(len(kv_caches.tensors)))
+    ]
 
 
 def _engine_id(engine_id: str) -> str:

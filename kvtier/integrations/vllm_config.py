@@ -65,16 +65,8 @@ def translate_extra_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     vLLM's fs-tier keys renamed.
 
     Raises:
-        ConfigError: ``canonical_layout`` is true, or an fs tier sets both a vLLM key
-            and the kvtier key it maps to.
+        ConfigError: an fs tier sets both a vLLM key and the kvtier key it maps to.
     """
-    if extra_config.get("canonical_layout"):
-        raise ConfigError(
-            "canonical_layout",
-            "is not supported by KVTierOffloadingSpec: kvtier stores each worker's own "
-            "KV pages (vLLM's direct layout), whose namespace names the world size; "
-            "remove canonical_layout",
-        )
     translated = {k: v for k, v in extra_config.items() if k not in VLLM_KEYS}
     tiers = translated.get("secondary_tiers")
     if isinstance(tiers, list):

@@ -9,7 +9,8 @@ rank writes every computed token's KV as bytes derived from its whole prefix, it
 KV-cache group and the rank, so any block that holds other bytes is caught. With
 ``sliding_window`` the model is hybrid: a full-attention group and a sliding-window
 group whose layers overlay the first group's tensors, as vLLM's hybrid allocator
-places them.
+places them. ``shape`` says how the ranks' bytes relate (:mod:`vllm_procs`): their
+own, the model's heads split among them, or an MLA model's latent that all hold alike.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Engine:
         sliding_window: int | None = None,
         copies: bool = True,
         workers: list[RemoteRunner] | None = None,
+        shape: str = "salted",
     ) -> None:
         self.tokens_per_block = TOKENS_PER_BLOCK
         self.engine_id = f"test-vllm-{uuid.uuid4().hex[:10]}"
@@ -93,16 +95,24 @@ class Engine:
         world_size = len(workers) if workers else 1
         self.config.parallel_config.tensor_parallel_size = world_size
         self.config.parallel_config.world_size = world_size
+        # vLLM's multiprocessing executor, on one node, and the KV layout its
+        # FlashAttention backend resolves: what its canonical and replicated layouts ask.
+        self.config.parallel_config.distributed_executor_backend = "mp"
+        self.config.cache_config.kv_cache_layout = "LBNHC"
         self.runners: list[ModelRunner] = []
         self.remotes: list[RemoteRunner] = []
         if workers is None:
-            self.runners.append(ModelRunner(self.config, num_blocks, sliding_window, copies=copies))
+            self.runners.append(
+                ModelRunner(self.config, num_blocks, sliding_window, copies=copies, shape=shape)
+            )
             self.kv_cache_config = self.runners[0].kv_cache_config
         else:
             assert copies, "worker processes always copy"
-            self.kv_cache_config, _ = vllm_procs.kv_cache_config(num_blocks, sliding_window)
+            self.kv_cache_config, _ = vllm_procs.kv_cache_config(
+                num_blocks, sliding_window, shape, world_size
+            )
             for rank, remote in enumerate(workers):
-                remote.send("open", (self.config, num_blocks, sliding_window, rank))
+                remote.send("open", (self.config, num_blocks, sliding_window, rank, shape))
                 self.remotes.append(remote)
             for remote in self.remotes:
                 assert remote.receive("open") == "opened"
@@ -120,6 +130,7 @@ class Engine:
         #: The offloading stats payloads the scheduler sent with its outputs.
         self.connector_stats: list[dict[str, Any]] = []
         self.finished: set[str] = set()
+        self.closed = False
 
     @property
     def worker(self) -> Any:
@@ -251,6 +262,10 @@ class Engine:
             assert remote.receive("wipe") == "wiped"
 
     def close(self) -> None:
+        """Close the workers and the scheduler; a second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         for runner in self.runners:
             runner.close()
         for remote in self.remotes:
@@ -280,12 +295,20 @@ def worker_processes(model_config: ModelConfig) -> Iterator[list[RemoteRunner]]:
         assert remote.process.exitcode == 0
 
 
+@pytest.fixture(scope="session")
+def mla_model_config() -> ModelConfig:
+    return offline_model_config(mla=True)
+
+
 @pytest.fixture
-def make_engine(model_config: ModelConfig) -> Iterator[Any]:
+def make_engine(model_config: ModelConfig, request: pytest.FixtureRequest) -> Iterator[Any]:
     engines: list[Engine] = []
 
     def make(extra_config: dict[str, Any], **kwargs: Any) -> Engine:
-        engine = Engine(model_config, extra_config, **kwargs)
+        model = model_config
+        if kwargs.get("shape") == "mla":
+            model = request.getfixturevalue("mla_model_config")
+        engine = Engine(model, extra_config, **kwargs)
         engines.append(engine)
         return engine
 

@@ -23,13 +23,9 @@ from kvtier.integrations.vllm import KVTierOffloadingSpec, KVTierSlots
 SPEC = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm"}
 
 
-def offloading_config(engine_id, extra, *, groups=1, blocks_per_chunk=1):
+def offloading_config(engine_id, extra, *, worker_kv_bytes_per_block=4096, **fields):
     return vllm_offline.offloading_config(
-        engine_id,
-        {**SPEC, **extra},
-        worker_kv_bytes_per_block=4096,
-        groups=groups,
-        blocks_per_chunk=blocks_per_chunk,
+        engine_id, {**SPEC, **extra}, worker_kv_bytes_per_block=worker_kv_bytes_per_block, **fields
     )
 
 
@@ -70,7 +66,6 @@ def test_vllms_own_keys_are_accepted_and_fs_thread_counts_become_depths(engine_i
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"canonical_layout": True}, "canonical_layout"),
         (
             {
                 "secondary_tiers": [
@@ -98,6 +93,59 @@ def test_kv_groups_are_part_of_the_storage_namespace(engine_id):
     assert ";dtype=float16;" in namespace(1)
     # Two groups of one 16-token layer each: their chunks never mix with one group's.
     assert ";dtype=float16;groups=16x1,16x1;" in namespace(2)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"agnostic": False}, "vLLM does not certify this model's KV pages"),
+        ({"kv_cache_layout": None}, "vLLM resolved no KV cache layout"),
+    ],
+)
+def test_a_canonical_layout_vllm_would_not_certify_is_refused_at_start(engine_id, fields, message):
+    config = offloading_config(
+        engine_id, {"cpu_bytes_to_use": 1 << 20}, canonical_layout=True, **fields
+    )
+    with pytest.raises(ValueError, match=f"canonical_layout: {message}"):
+        KVTierOffloadingSpec(config)
+
+
+def test_a_canonical_namespace_names_the_format_and_not_the_ranks(engine_id):
+    def spec(world_size, **fields):
+        # One rank's bytes per block halve when twice the ranks split the heads.
+        config = offloading_config(
+            engine_id,
+            {"cpu_bytes_to_use": 1 << 20},
+            worker_kv_bytes_per_block=4096 // world_size,
+            world_size=world_size,
+            **fields,
+        )
+        built = KVTierOffloadingSpec(config)
+        return storage_namespace(built.kvtier_config, built.kvtier_spec.geometry), built
+
+    one, _ = spec(1, canonical_layout=True)
+    two, two_spec = spec(2, canonical_layout=True)
+    assert one == two and ";canonical=v1-nhd;" in one and "world=" not in one
+    assert two_spec.kvtier_spec.geometry.shared_column
+    direct_one, _ = spec(1)
+    direct_two, _ = spec(2)
+    assert len({one, direct_one, direct_two}) == 3
+
+
+def test_an_mla_models_replicated_layout_keeps_one_copy_per_chunk(engine_id):
+    config = offloading_config(
+        engine_id,
+        {"cpu_bytes_to_use": 1 << 20},
+        worker_kv_bytes_per_block=4096,
+        world_size=2,
+        replicated_layout=True,
+    )
+    spec = KVTierOffloadingSpec(config)
+    # vLLM's connector lets rank 0 alone submit the stores of this layout.
+    assert spec.replicated_layout
+    geometry = spec.kvtier_spec.geometry
+    assert geometry.columns == 1 and geometry.chunk_bytes == 4096
+    assert ";replicated;" in storage_namespace(spec.kvtier_config, geometry)
 
 
 def test_every_lookup_result_maps_to_vllms():

@@ -107,9 +107,10 @@ def test_kv_load_tiers_choose_the_tiers_a_request_loads_from(make_engine, tmp_pa
     assert by_source == [{CacheHitSource.DISK: 8 * TOKENS_PER_BLOCK}]
 
 
-def store_then_load_from_the_tiers(engine, seed: int) -> None:
+def store_then_load_from_the_tiers(engine, seed: int, *, verified_here: bool = True) -> None:
     """Compute and store a prompt, empty vLLM's cache and kvtier's primary tier, and
-    find all of it again in the secondary tiers, each token's bytes checked."""
+    find all of it again in the secondary tiers, each token's bytes checked (by the
+    rank in this process when ``verified_here``, else by the worker processes)."""
     shared = prompt(seed, 8)
     engine.add("first", [*shared, 5])
     engine.run()
@@ -119,7 +120,8 @@ def store_then_load_from_the_tiers(engine, seed: int) -> None:
     engine.add("second", [*shared, 6])
     engine.run()
     assert engine.cached_at_start["second"] == 8 * TOKENS_PER_BLOCK
-    assert engine.verified_blocks >= 8
+    if verified_here:
+        assert engine.verified_blocks >= 8
 
 
 def s3_tier_config(moto, bucket: str) -> dict:
@@ -380,3 +382,78 @@ def test_two_tensor_parallel_ranks_each_load_back_their_own_bytes(
     spec = engine.manager.spec
     assert spec.geometry.chunk_bytes >= 2 * spec.geometry.column_bytes
     assert spec.config.world_size == 2
+
+
+def shared_tier(kind: str, tmp_path, request) -> dict:
+    """A secondary tier several engines share: an fs root, or an S3 bucket."""
+    if kind == "s3":
+        return s3_tier_config(request.getfixturevalue("moto"), request.getfixturevalue("bucket"))
+    return tier_config(kind, tmp_path)
+
+
+@pytest.mark.parametrize("tiers", ["fs", "s3"])
+@pytest.mark.parametrize(
+    ("writer_ranks", "reader_ranks", "window"),
+    [(1, 2, None), (2, 1, None), (1, 2, WINDOW)],
+    ids=["tp1-to-tp2", "tp2-to-tp1", "hybrid-tp1-to-tp2"],
+)
+def test_a_canonical_cache_written_at_one_tp_size_is_read_byte_exact_at_another(
+    make_engine, worker_processes, tmp_path, request, tiers, writer_ranks, reader_ranks, window
+):
+    # The ranks split the model's KV heads: at TP=2 each holds one of the two heads of
+    # every token. vLLM's canonical layout makes the stored chunk the same bytes at any
+    # TP size, so one engine warms another of a different size from a shared fs root
+    # or bucket; each rank of the reader checks its heads byte for byte.
+    extra = {**shared_tier(tiers, tmp_path, request), "canonical_layout": True}
+
+    def engine(ranks):
+        workers = worker_processes if ranks == 2 else None
+        return make_engine(extra, workers=workers, shape="sharded", sliding_window=window)
+
+    shared = prompt(51, 6)
+    writer = engine(writer_ranks)
+    writer.add("first", [*shared, 5, 6, 7])
+    writer.run()
+    writer.drain_tiers()
+    namespace = writer.manager.spec.namespace
+    writer.close()  # the worker processes serve one engine at a time
+    reader = engine(reader_ranks)
+    assert reader.manager.spec.namespace == namespace
+    reader.add("second", [*shared, 9, 9, 9, 9])
+    reader.run()
+    assert reader.cached_at_start["second"] == 6 * TOKENS_PER_BLOCK
+    assert reader.finished == {"second"}
+
+
+def test_without_the_canonical_layout_engines_of_other_tp_sizes_never_share(
+    make_engine, worker_processes, tmp_path
+):
+    # The direct layout's bytes depend on the ranks: its namespace names them, so a
+    # TP=2 engine finds nothing of what a TP=1 engine stored in the same root.
+    extra = tier_config("fs", tmp_path)
+    shared = prompt(52, 4)
+    writer = make_engine(extra, shape="sharded")
+    writer.add("first", [*shared, 5])
+    writer.run()
+    writer.drain_tiers()
+    reader = make_engine(extra, workers=worker_processes, shape="sharded")
+    reader.add("second", [*shared, 6])
+    reader.run()
+    assert reader.cached_at_start["second"] == 0
+
+
+@pytest.mark.parametrize("canonical", [False, True], ids=["direct", "canonical"])
+def test_an_mla_models_latent_is_stored_once_and_read_by_every_rank(
+    make_engine, worker_processes, tmp_path, canonical
+):
+    # Both ranks hold the same latent KV (vLLM's replicated layout): a row holds one
+    # copy, half what two ranks' columns take. In the direct layout rank 0 writes it
+    # (vLLM's connector submits the store from rank 0 alone); in the canonical one
+    # the ranks take turns, page by page. Both ranks load it back from disk.
+    extra = {**tier_config("fs", tmp_path), "canonical_layout": canonical}
+    engine = make_engine(extra, workers=worker_processes, shape="mla")
+    spec = engine.manager.spec
+    assert spec.config.replicated and spec.geometry.columns == 1
+    assert spec.config.layout == ("canonical" if canonical else "direct")
+    assert spec.geometry.column_bytes == spec.config.kv_bytes_per_block
+    store_then_load_from_the_tiers(engine, seed=53, verified_here=False)
