@@ -24,6 +24,13 @@ from the block's hash (two KV tensors of half a chunk each, as in ``serving_path
    deferred it to the step that started its load.
 4. The raw reference again; the limit is the mean of the two.
 
+``--groups 2`` makes the model hybrid: a sliding-window group of ``--window-blocks``
+blocks beside the full-attention one, its layers overlaying the first group's tensors as
+vLLM's hybrid allocator places them, each group's blocks with patterns of their own.
+``--tp 2`` runs two tensor-parallel ranks (in this process, each with its own worker
+connector and half the KV heads, patterns of its own), their outputs aggregated as
+vLLM's executor does; the chunk is both ranks' bytes together.
+
 Every step is timed (``scheduler.schedule()`` plus ``update_from_output``), and inside it
 the time spent in vLLM's connector, in kvtier's adapter (the spec's manager) and in
 kvtier's manager, by wrapping their methods here. vLLM's engine is built as the vLLM
@@ -43,6 +50,7 @@ step figures (``step_p50_ms`` / ``step_p99_ms``, ``connector_own_ms_per_step``,
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import random
 import time
@@ -58,6 +66,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import common
 import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm_offline import (
     MAX_MODEL_LEN,
     FullAttentionSpec,
@@ -67,12 +76,14 @@ from vllm_offline import (
     RequestStatus,
     SamplingParams,
     SchedulerOutput,
+    SlidingWindowSpec,
     begin_step,
     block_hasher,
     end_step,
     engine_config,
     model_config,
     one_group_kv_cache,
+    overlaid_kv_cache,
     scheduler,
     worker_connector,
 )
@@ -83,6 +94,8 @@ HEAD_SIZE = 128
 # 2 MiB block of 16 tokens is a Llama-3-8B's (32 layers x 8 KV heads x 128), folded
 # into two layers of 128 heads.
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+#: The sliding-window group's layers (with --groups 2), overlaying LAYERS' tensors.
+WINDOW_LAYERS = ("model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn")
 # Tokens after the stored blocks: vLLM computes at least one token of every prompt, and
 # a partial block is never stored.
 TAIL_TOKENS = 2
@@ -90,12 +103,21 @@ TAIL_TOKENS = 2
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = common.workload_parser(__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--groups", type=int, choices=(1, 2), default=1, help="KV-cache groups (2: hybrid)"
+    )
+    parser.add_argument(
+        "--window-blocks", type=int, default=4, help="the sliding-window group's window"
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     args = parser.parse_args(argv)
     common.check_workload_args(parser, args)
     chunk = int(args.chunk_mib * common.MIB)
     per_head = len(LAYERS) * 2 * TOKENS_PER_BLOCK * HEAD_SIZE * 2  # K and V, fp16
-    if chunk % per_head:
-        parser.error(f"--chunk-mib must be a multiple of {per_head} bytes here")
+    if chunk % (per_head * args.tp):
+        parser.error(f"--chunk-mib must be a multiple of {per_head * args.tp} bytes here")
+    if args.tp < 1 or args.window_blocks < 1:
+        parser.error("--tp and --window-blocks must be at least 1")
     args.kv_heads = chunk // per_head
     if args.job_chunks * TOKENS_PER_BLOCK + TAIL_TOKENS + 1 > MAX_MODEL_LEN:
         parser.error(
@@ -259,31 +281,46 @@ class Engine:
             max_num_seqs=args.in_flight,
             max_num_batched_tokens=max(MAX_MODEL_LEN, args.in_flight * prompt_tokens),
         )
+        heads = args.kv_heads // args.tp
         attention = FullAttentionSpec(
             block_size=TOKENS_PER_BLOCK,
-            num_kv_heads=args.kv_heads,
+            num_kv_heads=heads,
             head_size=HEAD_SIZE,
             dtype=torch.float16,
         )
-        kv_cache = one_group_kv_cache(self.num_blocks, LAYERS, attention)
+        self.groups: tuple[tuple[str, ...], ...] = (LAYERS,)
+        self.window = args.window_blocks * TOKENS_PER_BLOCK if args.groups > 1 else None
+        if self.window is None:
+            kv_cache = one_group_kv_cache(self.num_blocks, LAYERS, attention)
+        else:
+            window = SlidingWindowSpec(
+                block_size=TOKENS_PER_BLOCK,
+                num_kv_heads=heads,
+                head_size=HEAD_SIZE,
+                dtype=torch.float16,
+                sliding_window=self.window,
+            )
+            self.groups = (LAYERS, WINDOW_LAYERS)
+            kv_cache = overlaid_kv_cache(
+                self.num_blocks, [(LAYERS, attention), (WINDOW_LAYERS, window)]
+            )
+        #: Chunks one prompt stores: its blocks, and in a window group the last few
+        #: (vLLM keeps a window's worth, and the chunk it starts inside).
+        self.chunks_per_prompt = args.job_chunks
+        if self.window is not None:
+            self.chunks_per_prompt += min(args.job_chunks, args.window_blocks + 1)
+        self.config.parallel_config.tensor_parallel_size = args.tp
+        self.config.parallel_config.world_size = args.tp
         self.hasher = block_hasher(TOKENS_PER_BLOCK)
         self.scheduler = scheduler(self.config, kv_cache)
-        self.caches = {
-            name: torch.zeros(
-                (self.num_blocks, 2, TOKENS_PER_BLOCK, args.kv_heads, HEAD_SIZE),
-                dtype=torch.float16,
-            )
-            for name in LAYERS
-        }
+        self.aggregator = KVOutputAggregator(args.tp)
+        self.ranks: list[Rank] = []
         try:
-            self.worker = worker_connector(self.config, kv_cache, self.caches)
+            for rank in range(args.tp):
+                self.ranks.append(Rank(self.config, kv_cache, self.groups, rank, heads, args.seed))
         except BaseException:
-            self.scheduler.shutdown()
+            self.close()
             raise
-        self.patterns = common.Patterns(
-            [cache.view(self.num_blocks, -1).view(torch.int64) for cache in self.caches.values()],
-            args.seed,
-        )
         connector = self.scheduler.connector
         assert isinstance(connector, OffloadingConnector)
         assert connector.connector_scheduler is not None
@@ -295,7 +332,8 @@ class Engine:
         self.clocks["kvtier"].wrap(self.kvtier, MANAGER_METHODS)
         self.times: dict[str, StepTimes] = {}
         self.phase = "store"
-        self.blocks: dict[str, list[int]] = {}
+        #: Each request's GPU blocks, one list per KV-cache group.
+        self.blocks: dict[str, list[list[int]]] = {}
         #: Blocks each request found computed when first scheduled, all verified.
         self.loaded: dict[str, int] = {}
         self.mismatches = 0
@@ -366,8 +404,10 @@ class Engine:
         return out, finished, moved
 
     def run_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """The model runner's half of a step: connector hooks around a cheap forward pass."""
-        begin_step(self.worker, out)
+        """The model runners' half of a step: connector hooks around a cheap forward pass,
+        on every rank; their outputs aggregated as vLLM's executor does."""
+        for rank in self.ranks:
+            begin_step(rank.worker, out)
         if out.preempted_req_ids or out.scheduled_cached_reqs.resumed_req_ids:
             raise RuntimeError(
                 "a request was preempted: the benchmark sizes vLLM's blocks so none is"
@@ -377,14 +417,15 @@ class Engine:
         # advanced the requests' own counts past them.
         starts: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
-            self.blocks[new.req_id] = list(new.block_ids[0])
+            self.blocks[new.req_id] = [list(ids) for ids in new.block_ids]
             self.verify(requests[new.req_id], new.num_computed_tokens)
             starts[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             if new_ids:
-                self.blocks[req_id].extend(new_ids[0])
+                for blocks, ids in zip(self.blocks[req_id], new_ids, strict=True):
+                    blocks.extend(ids)
             starts[req_id] = cached.num_computed_tokens[i]
         sampled: dict[str, list[int]] = {}
         for req_id, count in out.num_scheduled_tokens.items():
@@ -393,29 +434,38 @@ class Engine:
             self.compute(request, start, start + count)
             if start + count >= request.num_tokens:
                 sampled[req_id] = [7]
-        return end_step(self.worker, out, sampled)
+        outputs = [end_step(rank.worker, out, sampled) for rank in self.ranks]
+        return outputs[0] if len(outputs) == 1 else self.aggregator.aggregate(outputs)
 
     def compute(self, request: Request, start: int, end: int) -> None:
-        """Fill each block this step completes with the pattern of its hash."""
+        """Fill each block this step completes with the pattern of its hash, in every
+        group (a window's blocks passed by are vLLM's null block, 0) and on every rank."""
         first = start // TOKENS_PER_BLOCK
         done = min(end // TOKENS_PER_BLOCK, len(request.block_hashes))
-        if done > first:
-            blocks = self.blocks[request.request_id]
-            self.patterns.write(request.block_hashes[first:done], blocks[first:done])
+        if done <= first:
+            return
+        for group, blocks in enumerate(self.blocks[request.request_id]):
+            hashes, ids = held(request.block_hashes[first:done], blocks[first:done])
+            for rank in self.ranks:
+                rank.patterns[group].write(hashes, ids)
 
     def verify(self, request: Request, num_computed: int) -> None:
-        """Every block the request found computed holds exactly its hash's pattern."""
+        """Every block the request found computed holds exactly its hash's pattern, in
+        every group that holds it and on every rank."""
         count = num_computed // TOKENS_PER_BLOCK
-        blocks = self.blocks[request.request_id]
-        self.mismatches += self.patterns.wrong(request.block_hashes[:count], blocks[:count])
+        for group, blocks in enumerate(self.blocks[request.request_id]):
+            hashes, ids = held(request.block_hashes[:count], blocks[:count])
+            for rank in self.ranks:
+                self.mismatches += rank.patterns[group].wrong(hashes, ids)
         self.loaded[request.request_id] = count
 
     def wipe(self) -> None:
         """Empty vLLM's GPU prefix cache and kvtier's primary tier, and zero the KV tensors."""
         if not self.scheduler.reset_prefix_cache(reset_connector=True):
             raise RuntimeError("vLLM refused to reset its prefix cache")
-        for tensor in self.caches.values():
-            tensor.zero_()
+        for rank in self.ranks:
+            for tensor in rank.caches.values():
+                tensor.zero_()
 
     def has_room(self, chunks: int) -> bool:
         """Whether kvtier's primary tier can take ``chunks`` new chunks without refusing."""
@@ -430,9 +480,49 @@ class Engine:
 
     def close(self) -> None:
         try:
-            self.worker.shutdown()
+            for rank in self.ranks:
+                rank.worker.shutdown()
         finally:
             self.scheduler.shutdown()
+
+
+def held(hashes: Sequence[Any], blocks: Sequence[int]) -> tuple[list[Any], list[int]]:
+    """The hashes and blocks of those blocks a group holds (a window passed by the rest:
+    vLLM's null block, 0)."""
+    pairs = [(h, b) for h, b in zip(hashes, blocks, strict=True) if b]
+    return [h for h, _ in pairs], [b for _, b in pairs]
+
+
+class Rank:
+    """One tensor-parallel rank: its KV tensors, worker-role connector and patterns.
+
+    Every group's layers share the first group's tensors (one per layer index), so the
+    groups' patterns differ by their seeds; so do the ranks'.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        kv_cache: Any,
+        groups: Sequence[Sequence[str]],
+        rank: int,
+        heads: int,
+        seed: int,
+    ) -> None:
+        num_blocks = kv_cache.num_blocks
+        config = copy.deepcopy(config)
+        config.parallel_config.rank = rank
+        shape = (num_blocks, 2, TOKENS_PER_BLOCK, heads, HEAD_SIZE)
+        tensors = [torch.zeros(shape, dtype=torch.float16) for _ in LAYERS]
+        self.caches = {name: tensors[i] for layers in groups for i, name in enumerate(layers)}
+        self.worker = worker_connector(config, kv_cache, self.caches)
+        self.patterns = [
+            common.Patterns(
+                [tensor.view(num_blocks, -1).view(torch.int64) for tensor in tensors],
+                seed + 1000 * rank + 100 * group,
+            )
+            for group in range(len(groups))
+        ]
 
 
 # ------------------------------------------------------------------------ phases
@@ -452,7 +542,7 @@ def prompts(seed: int, count: int, job_chunks: int) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(count)]
 
 
-def store_all(engine: Engine, texts: Sequence[list[int]], job_chunks: int, idle_s: float) -> float:
+def store_all(engine: Engine, texts: Sequence[list[int]], idle_s: float) -> float:
     """Seconds to store ``texts``, one new request a step, and cascade them to disk.
 
     vLLM looks every new prompt up first, and kvtier answers RETRY until its fs tier
@@ -470,7 +560,9 @@ def store_all(engine: Engine, texts: Sequence[list[int]], job_chunks: int, idle_
             for req_id in unscheduled
             if req_id in requests and requests[req_id].status is RequestStatus.WAITING
         ]
-        added = sent < len(texts) and engine.has_room((len(unscheduled) + 1) * job_chunks)
+        added = sent < len(texts) and engine.has_room(
+            (len(unscheduled) + 1) * engine.chunks_per_prompt
+        )
         if added:
             req_id = f"store-{sent}"
             engine.add(req_id, texts[sent])
@@ -596,7 +688,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         texts = prompts(args.seed, count, args.job_chunks)
         idle_s = args.idle_ms / 1e3
         try:
-            measured.phase("store", store_all, engine, texts, args.job_chunks, idle_s)
+            measured.phase("store", store_all, engine, texts, idle_s)
             engine.wipe()
             common.make_reads_cold(cache_mode, root / "tier")
             order = list(enumerate(texts))
@@ -628,6 +720,9 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         **methods,
         "kv_heads": args.kv_heads,
         "gpu_blocks": engine.num_blocks,
+        "groups": args.groups,
+        "window_blocks": args.window_blocks if args.groups > 1 else None,
+        "tp": args.tp,
     }
 
 
@@ -637,7 +732,8 @@ def report(figures: dict[str, Any]) -> None:
         f"vLLM path: {total:.2f} GiB of {figures['chunk_bytes'] / common.MIB:g} MiB blocks in "
         f"{figures['job_chunks']}-block prompts, {figures['in_flight']} requests in flight, "
         f"fs tier depth {figures['read_depth']} read / {figures['write_depth']} write, "
-        f"page cache {figures['page_cache']}, KV tensors on {figures['device']}"
+        f"page cache {figures['page_cache']}, KV tensors on {figures['device']}, "
+        f"{figures['groups']} KV-cache group(s), TP={figures['tp']}"
     )
     common.print_path_summary(figures)
     print(

@@ -10,6 +10,13 @@ block, and each DMA is a whole column: the size at which PCIe runs at full speed
 The region is registered with the driver as pinned host memory so the DMAs are truly
 asynchronous; if registration fails (a locked-memory limit, an old driver) copies still
 work from pageable memory, more slowly, and a warning says so once.
+
+A canonical layout's rank writes fragments of pages other ranks write too, so its
+bytes cannot reach the region in whole-column DMAs. A store gathers the job's blocks on
+the GPU as for a column, copies them in one DMA to a pinned bounce buffer, and a host
+thread then scatters the fragments into the shared pages; a load gathers them on that
+thread into a bounce buffer, then moves it to the GPU in one DMA. The host thread
+(one per direction, like the streams) keeps the caller from ever waiting for either.
 """
 
 from __future__ import annotations
@@ -20,7 +27,16 @@ from typing import Any
 import torch
 
 from kvtier.region import SharedOffloadRegion
-from kvtier.worker.engines import LOAD, STORE, CopyEngine, CopyEvent
+from kvtier.worker.engines import (
+    LOAD,
+    STORE,
+    CopyEngine,
+    CopyEvent,
+    CpuCopyEngine,
+    bounce_bytes,
+    gather_pages,
+    scatter_pages,
+)
 from kvtier.worker.layout import ColumnLayout
 
 __all__ = ["CudaCopyEngine"]
@@ -63,14 +79,12 @@ class CudaCopyEngine(CopyEngine):
         device = layout.device
         if device.type != "cuda":
             raise ValueError(f"CudaCopyEngine needs KV tensors on a CUDA device, got {device}")
-        if layout.canonical:
-            # Its copies move whole columns; a rank's fragments of shared pages would
-            # need a copy per fragment, or a scatter on the host, which are not built.
-            raise ValueError(
-                "CudaCopyEngine cannot copy a canonical layout's fragments yet: "
-                "use the direct or replicated layout with KV tensors on a GPU"
-            )
         self._device = device
+        #: The host side of a canonical layout's copies (None: whole columns).
+        self._host: CpuCopyEngine | None = None
+        if layout.canonical:
+            self._host = CpuCopyEngine()
+            self._host.bind(layout)
         self._store_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._load_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         # Adjacent rows' columns touch only when a row is exactly one column wide.
@@ -81,6 +95,8 @@ class CudaCopyEngine(CopyEngine):
     def store(
         self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, group: int = 0
     ) -> CopyEvent:
+        if self._host is not None:
+            return self._store_pages(gpu_block_ids, chunk_ids, group)
         layout = self.layout
         n = chunk_ids.numel()
         bpc = layout.blocks_per_chunk
@@ -108,6 +124,8 @@ class CudaCopyEngine(CopyEngine):
     def load(
         self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor, group: int = 0
     ) -> CopyEvent:
+        if self._host is not None:
+            return self._load_pages(chunk_ids, gpu_block_ids, group)
         layout = self.layout
         n = chunk_ids.numel()
         bpc = layout.blocks_per_chunk
@@ -130,7 +148,78 @@ class CudaCopyEngine(CopyEngine):
                 part.blocks.index_copy_(0, ids, blocks)
             return _CudaEvent(LOAD, stream, (staging, ids, gpu_block_ids, chunk_ids))
 
+    def _store_pages(
+        self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, group: int
+    ) -> CopyEvent:
+        """A canonical layout's store: gather on the GPU, one DMA to a pinned bounce
+        buffer, then the host thread scatters the fragments once the DMA is done."""
+        assert self._host is not None
+        layout = self.layout
+        parts = layout.groups[group]
+        producer = torch.cuda.current_stream(self._device)
+        stream = self._store_stream
+        rows = gpu_block_ids.numel()
+        bounce = torch.empty(
+            (rows, bounce_bytes(layout, group)), dtype=torch.uint8, pin_memory=True
+        )
+        with torch.cuda.stream(stream):
+            stream.wait_stream(producer)
+            ids = gpu_block_ids.to(self._device, non_blocking=True)
+            staging = torch.empty(bounce.shape, dtype=torch.uint8, device=self._device)
+            offset = 0
+            for part in parts:
+                staging[:, offset : offset + part.block_bytes].copy_(
+                    part.blocks.index_select(0, ids)
+                )
+                offset += part.block_bytes
+            bounce.copy_(staging, non_blocking=True)
+            copied = _CudaEvent(STORE, stream, (staging, ids, gpu_block_ids))
+        slots: list[int] = chunk_ids.tolist()
+
+        def scatter() -> None:
+            copied.synchronize()
+            scatter_pages(layout, bounce, slots, group)
+
+        return self._host.run_on_lane(STORE, scatter)
+
+    def _load_pages(
+        self, chunk_ids: torch.Tensor, gpu_block_ids: torch.Tensor, group: int
+    ) -> CopyEvent:
+        """A canonical layout's load: the host thread gathers the fragments into a
+        pinned bounce buffer, then moves it to the GPU in one DMA and waits for it."""
+        assert self._host is not None
+        layout = self.layout
+        parts = layout.groups[group]
+        # The target blocks may still be read by work already on the compute stream:
+        # mark where it stands now, for the load stream to wait on later.
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(self._device))
+        stream = self._load_stream
+        device = self._device
+        rows = gpu_block_ids.numel()
+        slots: list[int] = chunk_ids.tolist()
+
+        def gather_and_copy() -> None:
+            bounce = torch.empty(
+                (rows, bounce_bytes(layout, group)), dtype=torch.uint8, pin_memory=True
+            )
+            gather_pages(layout, slots, bounce, group)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                ids = gpu_block_ids.to(device, non_blocking=True)
+                staging = bounce.to(device, non_blocking=True)
+                offset = 0
+                for part in parts:
+                    part.blocks.index_copy_(0, ids, staging[:, offset : offset + part.block_bytes])
+                    offset += part.block_bytes
+                done = _CudaEvent(LOAD, stream, (staging, ids, bounce))
+            done.synchronize()
+
+        return self._host.run_on_lane(LOAD, gather_and_copy)
+
     def close(self) -> None:
+        if self._host is not None:
+            self._host.close()
         for stream in (getattr(self, "_store_stream", None), getattr(self, "_load_stream", None)):
             if stream is not None:
                 stream.synchronize()

@@ -204,6 +204,68 @@ def copy_load(
                         blocks[block].copy_(region[run.slot, j])
 
 
+def bounce_bytes(layout: ColumnLayout, group: int = 0) -> int:
+    """Bytes per block of a bounce buffer for ``group``: its tensors' pages back to back."""
+    return layout.group_block_bytes[group]
+
+
+def scatter_pages(
+    layout: ColumnLayout, bounce: torch.Tensor, slots: list[int], group: int = 0
+) -> None:
+    """Store a canonical layout's fragments from ``bounce`` into their slots.
+
+    ``bounce`` (``uint8``, ``(len(slots) * blocks_per_chunk, bounce_bytes)``) holds the
+    job's blocks in order, each as the group's tensors' pages back to back: what a GPU
+    gathers and copies to the host in one piece, since its fragments cannot land in the
+    shared pages without a copy each. Only the pages this rank is dealt are written.
+    """
+    bpc = layout.blocks_per_chunk
+    for part, local in _bounce_runs(layout, bounce, group):
+        page = part.page
+        assert page is not None
+        for i, slot in enumerate(slots):
+            for j in range(bpc):
+                if page.writes(slot * bpc + j):
+                    for source, (_, region) in zip(local, part.runs, strict=True):
+                        region[slot, j].copy_(source[i * bpc + j])
+
+
+def gather_pages(
+    layout: ColumnLayout, slots: list[int], bounce: torch.Tensor, group: int = 0
+) -> None:
+    """Load a canonical layout's fragments of ``slots`` into ``bounce``, laid out as
+    :func:`scatter_pages` reads it (the runs cover every byte of a page)."""
+    bpc = layout.blocks_per_chunk
+    for part, local in _bounce_runs(layout, bounce, group):
+        for i, slot in enumerate(slots):
+            for target, (_, region) in zip(local, part.runs, strict=True):
+                target[i * bpc : (i + 1) * bpc].copy_(region[slot])
+
+
+def _bounce_runs(
+    layout: ColumnLayout, bounce: torch.Tensor, group: int
+) -> list[tuple[TensorSlice, list[torch.Tensor]]]:
+    """Each of the group's tensors, with its page runs as views of ``bounce``."""
+    out = []
+    offset = 0
+    rows, stride, base = bounce.shape[0], bounce.stride(0), bounce.storage_offset()
+    for part in layout.groups[group]:
+        page = part.page
+        if page is None:
+            raise ValueError("a bounce buffer carries a canonical layout's pages only")
+        views = [
+            bounce.as_strided(
+                (rows, run.count, run.size),
+                (stride, run.local_stride, 1),
+                base + offset + run.local_offset,
+            )
+            for run in page.runs
+        ]
+        out.append((part, views))
+        offset += part.block_bytes
+    return out
+
+
 class _ThreadEvent(CopyEvent):
     def __init__(self, lane: str) -> None:
         self.lane = lane
@@ -255,6 +317,11 @@ class CpuCopyEngine(CopyEngine):
     ) -> CopyEvent:
         layout = self.layout
         return self._enqueue(LOAD, lambda: copy_load(layout, chunk_ids, gpu_block_ids, group))
+
+    def run_on_lane(self, lane: str, work: Callable[[], None]) -> CopyEvent:
+        """Run ``work`` on the lane's thread after the jobs queued before it; the event
+        completes when it returns (and raises what it raised)."""
+        return self._enqueue(lane, work)
 
     def close(self) -> None:
         with self._lanes_lock:

@@ -12,6 +12,7 @@ from helpers import make_config
 from kvtier import ConfigError, OffloadingSpecFactory
 from kvtier.config import storage_namespace
 from kvtier.worker import PageMap, PageRun
+from kvtier.worker.engines import bounce_bytes, gather_pages, scatter_pages
 
 NUM_GPU_BLOCKS = 8
 TOKENS = 4
@@ -265,3 +266,34 @@ def test_a_worker_takes_page_maps_exactly_when_the_layout_is_canonical(engine_id
     with pytest.raises(ValueError, match="512-byte shared pages do not fit"):
         canonical.create_worker([full_kv(0)], pages=[too_big])
     canonical.shutdown()
+
+
+def test_fragments_through_a_bounce_buffer_land_where_the_workers_copies_put_them(engine_id):
+    # A GPU rank copies its blocks to the host in one piece (a bounce buffer) and
+    # scatters the fragments from there: the rows must be the very bytes its direct
+    # copies write, and gathering them back must give the bounce buffer again.
+    kv = full_kv(5)
+    blocks = [5, 2]
+    specs = [canonical_spec(engine_id, r, 2, block_size=2 * TOKENS) for r in range(2)]
+    manager = specs[0].get_manager()
+    workers = [
+        spec.create_worker([shard(kv, r, 2)], pages=[head_pages(r, 2)])
+        for r, spec in enumerate(specs)
+    ]
+    try:
+        bounces = []
+        for worker in workers:
+            store(worker, 1, blocks, [3])
+            layout = worker.layout
+            bounce = torch.cat([part.blocks[blocks] for part in layout.groups[0]], dim=1)
+            assert bounce.shape[1] == bounce_bytes(layout)
+            scatter_pages(layout, bounce, [4])
+            bounces.append(bounce)
+        assert bytes(manager.region.primary_view[4]) == bytes(manager.region.primary_view[3])
+        for worker, bounce in zip(workers, bounces, strict=True):
+            gathered = torch.zeros_like(bounce)
+            gather_pages(worker.layout, [4], gathered)
+            assert torch.equal(gathered, bounce)
+    finally:
+        for spec in reversed(specs):
+            spec.shutdown()

@@ -50,6 +50,20 @@ def test_a_quick_vllm_path_run_verifies_every_block_and_reports_every_figure(
     assert list(tmp_path.iterdir()) == []  # the run cleans up after itself
 
 
+@pytest.mark.slow
+def test_a_quick_run_of_a_hybrid_model_at_tp_2_verifies_every_block_of_both_ranks(
+    model_config, tmp_path, capsys
+):
+    vllm_path.main(["--quick", "--root", str(tmp_path), "--groups", "2", "--tp", "2"])
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (figures["groups"], figures["tp"]) == (2, 2)
+    assert figures["mismatches"] == 0
+    assert figures["recomputed_blocks"] == 0
+    # The window group's chunks come back from the fs tier beside the full group's.
+    assert figures["fs_bytes_read"] > figures["chunks"] * figures["chunk_bytes"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_chunk_size_that_no_kv_geometry_fits_is_refused_with_the_flag_named(capsys):
     with pytest.raises(SystemExit) as exit_:
         vllm_path.parse_args(["--chunk-mib", "0.001"])
