@@ -316,14 +316,15 @@ def runner_output(
 
 
 def end_step_without_copies(
-    out: SchedulerOutput, sampled: dict[str, list[int]]
+    out: SchedulerOutput, sampled: dict[str, list[int]], world_size: int = 1
 ) -> ModelRunnerOutput:
     """A model runner's output for a step whose transfer jobs all completed at once,
     without a worker: for running a spec's scheduler side alone (vLLM's own specs'
-    workers need a GPU), where only which tokens hit matters, not their bytes."""
+    workers need a GPU), where only which tokens hit matters, not their bytes. Every
+    one of ``world_size`` ranks reports each job, as vLLM's executor aggregates them."""
     meta = out.kv_connector_metadata
     assert isinstance(meta, OffloadingConnectorMetadata)
-    completed = dict.fromkeys([*meta.load_jobs, *meta.store_jobs], 1)
+    completed = dict.fromkeys([*meta.load_jobs, *meta.store_jobs], world_size)
     finished_recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
     return runner_output(
         out,

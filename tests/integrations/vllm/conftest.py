@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +78,7 @@ class Engine:
         copies: bool = True,
         workers: list[RemoteRunner] | None = None,
         shape: str = "salted",
+        world_size: int | None = None,
     ) -> None:
         self.tokens_per_block = TOKENS_PER_BLOCK
         self.engine_id = f"test-vllm-{uuid.uuid4().hex[:10]}"
@@ -92,7 +94,10 @@ class Engine:
         )
         # Tensor-parallel ranks, as vLLM's engine core sees them: the scheduler side
         # (rank 0's config) waits for world_size workers to report each job.
-        world_size = len(workers) if workers else 1
+        # Without copies, the scheduler side alone may stand for world_size ranks.
+        assert world_size is None or not copies, "ranks that copy are worker processes"
+        world_size = len(workers) if workers else world_size or 1
+        self.world_size = world_size
         self.config.parallel_config.tensor_parallel_size = world_size
         self.config.parallel_config.world_size = world_size
         # vLLM's multiprocessing executor, on one node, and the KV layout its
@@ -189,7 +194,7 @@ class Engine:
             self.cached_at_start.update(first)
         outputs = [output for output, _ in results]
         if outputs[0] is None:
-            output = end_step_without_copies(out, sampled)
+            output = end_step_without_copies(out, sampled, self.world_size)
         else:
             # Only once every rank reported a job does vLLM count it done.
             output = self.aggregator.aggregate(outputs)
@@ -225,7 +230,11 @@ class Engine:
             jobs = self.connector.connector_scheduler._jobs  # type: ignore[union-attr]
             if jobs and self.worker is not None:
                 self.worker.connector_worker.worker.kvtier.wait(set(jobs), 0.02)
-            if self.manager.has_pending_work() and hasattr(self.manager, "kvtier"):
+            if not hasattr(self.manager, "kvtier"):
+                # vLLM's own managers: their lookup and tier threads need the time, and
+                # a finished request waits on them without the manager being busy.
+                time.sleep(0.01)
+            elif self.manager.has_pending_work():
                 self.manager.kvtier.host.wait_for_completions_blocking(0.02)
             assert steps < max_steps, (
                 "the engine did not settle: requests "
@@ -242,14 +251,18 @@ class Engine:
         return bool(connector_scheduler._jobs) or self.manager.has_pending_work()
 
     def drain_tiers(self) -> None:
-        """Wait until kvtier's cascades to secondary tiers are done."""
-        kvtier_manager = self.manager.kvtier
+        """Wait until the cascades to secondary tiers are done (kvtier's, or those of
+        vLLM's own tiering manager)."""
+        kvtier_manager = getattr(self.manager, "kvtier", None)
         for _ in range(1000):
             self.step()
-            if not kvtier_manager.has_pending_work():
+            if not self.manager.has_pending_work():
                 return
-            kvtier_manager.host.wait_for_completions_blocking(0.05)
-        raise AssertionError("kvtier's tiers did not settle")
+            if kvtier_manager is not None:
+                kvtier_manager.host.wait_for_completions_blocking(0.05)
+            else:
+                time.sleep(0.02)
+        raise AssertionError("the tiers did not settle")
 
     def wipe_gpu(self) -> None:
         """Empty vLLM's GPU prefix cache and zero the KV tensors, so only loads refill them."""

@@ -425,6 +425,50 @@ def test_a_canonical_cache_written_at_one_tp_size_is_read_byte_exact_at_another(
     assert reader.finished == {"second"}
 
 
+VLLM_TIERING = {"spec_name": "TieringOffloadingSpec"}
+
+
+@pytest.mark.parametrize(
+    ("canonical", "shape", "window"),
+    [
+        (True, "sharded", None),
+        (False, "sharded", None),
+        (True, "sharded", WINDOW),
+        (False, "mla", None),
+        (True, "mla", None),
+    ],
+    ids=["canonical", "direct", "canonical-hybrid", "mla", "mla-canonical"],
+)
+def test_a_tp_2_engine_finds_what_vllms_own_tiering_finds_of_a_tp_1_engines_cache(
+    make_engine, worker_processes, tmp_path, canonical, shape, window
+):
+    # The same two engines (TP=1 stores a prompt to an fs root, TP=2 looks it up
+    # there) through kvtier and through vLLM's own TieringOffloadingSpec, whose
+    # worker needs a GPU: its scheduler side alone, every copy taken as done. Both
+    # find the same tokens: all of them where the cache is shared across TP sizes
+    # (the canonical layout), none where it is not.
+    def run(extra, root, **reader):
+        root.mkdir()
+        extra = {**tier_config("fs", root), "canonical_layout": canonical, **extra}
+        options = {"shape": shape, "sliding_window": window}
+        copies = not extra.get("spec_name")
+        shared = prompt(54, 6)
+        writer = make_engine(extra, copies=copies, **options)
+        writer.add("first", [*shared, 5, 6, 7])
+        writer.run()
+        writer.drain_tiers()
+        writer.close()
+        engine = make_engine(extra, copies=copies, **options, **reader)
+        engine.add("second", [*shared, 9, 9, 9, 9])
+        engine.run()
+        return engine.cached_at_start["second"]
+
+    kvtier_found = run({}, tmp_path / "kvtier", workers=worker_processes)
+    vllm_found = run(VLLM_TIERING, tmp_path / "vllm", world_size=2)
+    assert kvtier_found == vllm_found
+    assert kvtier_found == (6 * TOKENS_PER_BLOCK if canonical else 0)
+
+
 def test_without_the_canonical_layout_engines_of_other_tp_sizes_never_share(
     make_engine, worker_processes, tmp_path
 ):
