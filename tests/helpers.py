@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any
 
@@ -92,3 +93,15 @@ def damaged(data: bytes, how: str) -> bytes:
     else:
         raise ValueError(f"unknown damage {how!r}")
     return bytes(out)
+
+
+def wait_finished(worker: Any, count: int) -> list[Any]:
+    """The results of ``count`` jobs a worker was given, polled from ``get_finished``."""
+    results: list[Any] = []
+    pause = threading.Event()
+    for _ in range(3000):
+        results += worker.get_finished()
+        if len(results) >= count:
+            return results
+        pause.wait(0.01)
+    raise AssertionError(f"only {len(results)} of {count} jobs finished")

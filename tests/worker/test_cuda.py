@@ -35,27 +35,12 @@ async def test_gpu_round_trip_through_the_region(engine_id):
 async def test_gpu_ranks_scatter_their_heads_into_canonical_pages(engine_id):
     # Two ranks, each with half the heads on the GPU, fill one canonical page through
     # their bounce buffers; each loads back exactly its heads.
-    from test_shared_layouts import full_kv, head_pages, shard
+    from test_shared_layouts import TOKENS, canonical_specs, full_kv, head_pages, shard
 
     from kvtier.worker import PageMap
 
     kv = full_kv(7)
-    specs = [
-        OffloadingSpecFactory.create_spec(
-            make_config(
-                f"{engine_id}",
-                kv_bytes_per_block=kv[0].nbytes // 2,
-                tokens_per_block=kv.shape[2],
-                world_size=2,
-                rank=r,
-                layout="canonical",
-                canonical_format="test-nhd",
-                cpu_bytes_to_use=8 * 8192,
-                block_size=2 * kv.shape[2],
-            )
-        )
-        for r in range(2)
-    ]
+    specs = canonical_specs(engine_id, 2, block_size=2 * TOKENS)
     manager = specs[0].get_manager()
     shards = [shard(kv, r, 2).cuda() for r in range(2)]
     pages: list[PageMap] = [head_pages(r, 2) for r in range(2)]

@@ -3,11 +3,9 @@ and the one copy of bytes that all ranks hold alike (replicated)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from helpers import make_config
+from helpers import make_config, wait_finished
 
 from kvtier import ConfigError, OffloadingSpecFactory
 from kvtier.config import storage_namespace
@@ -54,30 +52,30 @@ def head_pages(rank: int, world: int) -> PageMap:
     return PageMap(page_bytes=world * 2 * TOKENS * row, runs=runs)
 
 
-def canonical_spec(engine_id: str, rank: int, world: int, **extra):
-    config = make_config(
-        engine_id,
-        kv_bytes_per_block=2 * TOKENS * HEADS // world * HEAD_BYTES,
-        tokens_per_block=TOKENS,
-        world_size=world,
-        rank=rank,
-        layout="canonical",
-        canonical_format="test-nhd",
-        cpu_bytes_to_use=CPU_BYTES,
-        **extra,
+def rank_specs(engine_id: str, world: int, per_block: int, **fields):
+    """One spec per rank of a ``world``-rank engine, each holding ``per_block`` bytes."""
+    return [
+        OffloadingSpecFactory.create_spec(
+            make_config(
+                engine_id,
+                kv_bytes_per_block=per_block,
+                tokens_per_block=TOKENS,
+                world_size=world,
+                rank=rank,
+                cpu_bytes_to_use=CPU_BYTES,
+                **fields,
+            )
+        )
+        for rank in range(world)
+    ]
+
+
+def canonical_specs(engine_id: str, world: int, **extra):
+    """The ranks of an engine whose ``world`` ranks split the heads, canonically laid out."""
+    per_block = 2 * TOKENS * HEADS // world * HEAD_BYTES
+    return rank_specs(
+        engine_id, world, per_block, layout="canonical", canonical_format="test-nhd", **extra
     )
-    return OffloadingSpecFactory.create_spec(config)
-
-
-def wait_finished(worker, count):
-    results = []
-    pause = threading.Event()
-    for _ in range(3000):
-        results += worker.get_finished()
-        if len(results) >= count:
-            return results
-        pause.wait(0.01)
-    raise AssertionError(f"only {len(results)} of {count} jobs finished")
 
 
 def store(worker, job_id, blocks, slots):
@@ -102,14 +100,14 @@ def test_two_ranks_scatter_their_heads_into_the_page_one_rank_would_write(engine
     # single rank holding every head writes: the bytes do not depend on the ranks.
     kv = full_kv(1)
     blocks = [5, 2] if block_size > TOKENS else [5]
-    specs = [canonical_spec(engine_id, r, 2, block_size=block_size) for r in range(2)]
+    specs = canonical_specs(engine_id, 2, block_size=block_size)
     manager = specs[0].get_manager()
     shards = [shard(kv, r, 2) for r in range(2)]
     workers = [
         spec.create_worker([part], pages=[head_pages(r, 2)])
         for r, (spec, part) in enumerate(zip(specs, shards, strict=True))
     ]
-    alone = canonical_spec(f"{engine_id}-one", 0, 1, block_size=block_size)
+    [alone] = canonical_specs(f"{engine_id}-one", 1, block_size=block_size)
     alone_manager = alone.get_manager()
     alone_worker = alone.create_worker([kv.clone()], pages=[head_pages(0, 1)])
     try:
@@ -137,7 +135,7 @@ def test_two_ranks_scatter_their_heads_into_the_page_one_rank_would_write(engine
 
 def test_a_load_inside_a_chunk_reads_only_its_blocks_fragments(engine_id):
     kv = full_kv(2)
-    specs = [canonical_spec(engine_id, r, 2, block_size=2 * TOKENS) for r in range(2)]
+    specs = canonical_specs(engine_id, 2, block_size=2 * TOKENS)
     specs[0].get_manager()
     shards = [shard(kv, r, 2) for r in range(2)]
     workers = [
@@ -165,21 +163,7 @@ def test_ranks_that_hold_the_same_fragments_take_turns_writing_pages(engine_id):
     kv = full_kv(3)
     whole = kv[0].nbytes
     run = PageRun(0, 0, whole, 1, whole, whole)
-    specs = [
-        OffloadingSpecFactory.create_spec(
-            make_config(
-                engine_id,
-                kv_bytes_per_block=whole,
-                tokens_per_block=TOKENS,
-                world_size=2,
-                rank=r,
-                layout="canonical",
-                canonical_format="test-nhd",
-                cpu_bytes_to_use=CPU_BYTES,
-            )
-        )
-        for r in range(2)
-    ]
+    specs = rank_specs(engine_id, 2, whole, layout="canonical", canonical_format="test-nhd")
     manager = specs[0].get_manager()
     workers = [
         spec.create_worker(
@@ -203,20 +187,7 @@ def test_ranks_that_hold_the_same_fragments_take_turns_writing_pages(engine_id):
 def test_a_replicated_row_holds_one_copy_written_by_rank_0_and_read_by_all(engine_id):
     kv = full_kv(4)
     per_block = kv[0].nbytes
-    specs = [
-        OffloadingSpecFactory.create_spec(
-            make_config(
-                engine_id,
-                kv_bytes_per_block=per_block,
-                tokens_per_block=TOKENS,
-                world_size=2,
-                rank=r,
-                replicated=True,
-                cpu_bytes_to_use=CPU_BYTES,
-            )
-        )
-        for r in range(2)
-    ]
+    specs = rank_specs(engine_id, 2, per_block, replicated=True)
     manager = specs[0].get_manager()
     tensors = [kv.clone(), kv.clone()]
     workers = [spec.create_worker([tensors[r]]) for r, spec in enumerate(specs)]
@@ -256,7 +227,7 @@ def test_a_worker_takes_page_maps_exactly_when_the_layout_is_canonical(engine_id
     with pytest.raises(ValueError, match="page map"):
         direct.create_worker([full_kv(0)], pages=[head_pages(0, 1)])
     direct.shutdown()
-    canonical = canonical_spec(f"{engine_id}-c", 0, 1)
+    [canonical] = canonical_specs(f"{engine_id}-c", 1)
     with pytest.raises(ValueError, match="page map"):
         canonical.create_worker([full_kv(0)])
     too_far = PageMap(page_bytes=256, runs=(PageRun(0, 128, 256, 1, 256, 256),))
@@ -274,7 +245,7 @@ def test_fragments_through_a_bounce_buffer_land_where_the_workers_copies_put_the
     # copies write, and gathering them back must give the bounce buffer again.
     kv = full_kv(5)
     blocks = [5, 2]
-    specs = [canonical_spec(engine_id, r, 2, block_size=2 * TOKENS) for r in range(2)]
+    specs = canonical_specs(engine_id, 2, block_size=2 * TOKENS)
     manager = specs[0].get_manager()
     workers = [
         spec.create_worker([shard(kv, r, 2)], pages=[head_pages(r, 2)])

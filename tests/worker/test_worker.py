@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from helpers import make_config
+from helpers import make_config, wait_finished
 
 from kvtier import OffloadingSpecFactory, SharedOffloadRegion
 from kvtier.errors import KVTierError
@@ -116,17 +116,6 @@ def test_kv_tensors_must_have_contiguous_blocks(engine_id):
     with pytest.raises(ValueError, match="contiguous"):
         spec.create_worker([transposed])
     spec.shutdown()
-
-
-def wait_finished(worker, count):
-    results = []
-    deadline = threading.Event()
-    for _ in range(3000):
-        results += worker.get_finished()
-        if len(results) >= count:
-            return results
-        deadline.wait(0.01)
-    raise AssertionError(f"only {len(results)} of {count} jobs finished")
 
 
 def test_sync_jobs_finish_through_the_waiter(engine_id, gate):
