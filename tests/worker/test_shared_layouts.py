@@ -158,12 +158,14 @@ def test_a_load_inside_a_chunk_reads_only_its_blocks_fragments(engine_id):
 
 
 def test_ranks_that_hold_the_same_fragments_take_turns_writing_pages(engine_id):
-    # Both ranks hold every head alike (more ranks than KV heads): each writes the
+    # Both ranks hold every head alike (an MLA latent): each writes the
     # pages it is dealt, so one rank's stores fill every other page, both fill all.
     kv = full_kv(3)
     whole = kv[0].nbytes
     run = PageRun(0, 0, whole, 1, whole, whole)
-    specs = rank_specs(engine_id, 2, whole, layout="canonical", canonical_format="test-nhd")
+    specs = rank_specs(
+        engine_id, 2, whole, layout="canonical", canonical_format="test-nhd", replicated=True
+    )
     manager = specs[0].get_manager()
     workers = [
         spec.create_worker(
