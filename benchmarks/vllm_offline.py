@@ -50,6 +50,7 @@ with warnings.catch_warnings():
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -72,6 +73,7 @@ __all__ = [
     "FullAttentionSpec",
     "KVCacheConfig",
     "MLAAttentionSpec",
+    "MambaSpec",
     "ModelConfig",
     "ModelRunnerOutput",
     "OffloadingConnector",
@@ -173,12 +175,12 @@ def one_group_kv_cache(
 
 
 def overlaid_kv_cache(
-    num_blocks: int, groups: Sequence[tuple[Sequence[str], AttentionSpec]]
+    num_blocks: int, groups: Sequence[tuple[Sequence[str], AttentionSpec | MambaSpec]]
 ) -> KVCacheConfig:
     """Several groups of as many layers each, of one page size, overlaying each other
     from byte 0 of one allocation: how vLLM's hybrid allocator places a model's full
-    attention and sliding-window layers (layer ``i`` of every group shares tensor ``i``;
-    a block belongs to one group at a time)."""
+    attention and sliding-window or Mamba layers (layer ``i`` of every group shares
+    tensor ``i``; a block belongs to one group at a time)."""
     pages = {spec.page_size_bytes for _, spec in groups}
     counts = {len(layers) for layers, _ in groups}
     assert len(pages) == 1 and len(counts) == 1, "one page size, as many layers per group"

@@ -15,6 +15,9 @@ A runner's ``shape`` says how the ranks' bytes relate, as in the models people r
 - ``"sharded"``: the ranks split the model's KV heads evenly, as tensor parallelism
   does: each holds its heads of the one KV the model computes, whatever the ranks.
 - ``"mla"``: an MLA model's latent KV, the same on every rank.
+- ``"mamba"``: a hybrid of attention layers (each rank's own bytes) and Mamba layers,
+  whose state for a prefix lives in the block of its last token; the Mamba group's
+  layers overlay the attention group's tensors, as vLLM's hybrid allocator places them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from vllm_offline import (
     FullAttentionSpec,
     KVCacheConfig,
+    MambaSpec,
     MLAAttentionSpec,
     ModelRunnerOutput,
     OffloadingConnector,
@@ -48,7 +52,9 @@ HEAD_SIZE = 16
 TOTAL_KV_HEADS = 2
 #: The tiny DeepSeek-V2's latent per token: kv_lora_rank + qk_rope_head_dim.
 MLA_HEAD_SIZE = 24
-SHAPES = ("salted", "sharded", "mla")
+SHAPES = ("salted", "sharded", "mla", "mamba")
+#: A Mamba hybrid's state layers (group 1), beside LAYERS (group 0).
+MAMBA_LAYERS = ("model.layers.2.mixer", "model.layers.3.mixer")
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 #: A hybrid model's sliding-window layers (group 1), beside LAYERS (group 0).
 WINDOW_LAYERS = ("model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn")
@@ -67,13 +73,13 @@ def token_kv(
     """The KV of the token at ``position`` in a layer of KV-cache group ``group`` on
     worker ``rank`` of ``world_size``: bytes that depend on every token up to it and the
     group, and for a ``"salted"`` shape on the rank (see the module's shapes)."""
-    salted = shape == "salted" and rank
+    salted = shape in ("salted", "mamba") and rank
     salt = f"{group}/{rank if salted else 0}:" if group or salted else ""
     digest = hashlib.blake2b((salt + repr(tokens[: position + 1])).encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest, "big") & ((1 << 63) - 1))
     if shape == "mla":
         return torch.randn((MLA_HEAD_SIZE,), generator=gen).to(torch.float16)
-    if shape == "salted":
+    if shape != "sharded":
         return torch.randn((2, NUM_KV_HEADS, HEAD_SIZE), generator=gen).to(torch.float16)
     whole = torch.randn((2, TOTAL_KV_HEADS, HEAD_SIZE), generator=gen).to(torch.float16)
     heads = TOTAL_KV_HEADS // world_size
@@ -109,6 +115,18 @@ def kv_cache_config(
     attention = FullAttentionSpec(
         block_size=TOKENS_PER_BLOCK, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float16
     )
+    if shape == "mamba":
+        assert sliding_window is None, "the Mamba hybrid here has no sliding window"
+        # A state of one attention page, so that the groups overlay page for page;
+        # prefix caching keeps a Mamba state per block in vLLM's "align" mode.
+        state = MambaSpec(
+            block_size=TOKENS_PER_BLOCK,
+            shapes=((attention.page_size_bytes // 2,),),
+            dtypes=(torch.float16,),
+            mamba_cache_mode="align",
+        )
+        groups = [(LAYERS, attention), (MAMBA_LAYERS, state)]
+        return overlaid_kv_cache(num_blocks, groups), (LAYERS, MAMBA_LAYERS)
     if sliding_window is None:
         return one_group_kv_cache(num_blocks, LAYERS, attention), (LAYERS,)
     window = SlidingWindowSpec(
@@ -195,13 +213,16 @@ class ModelRunner:
 
     def verify(self, req_id: str, tokens: list[int], num_tokens: int) -> None:
         """Every one of the first ``num_tokens`` tokens holds exactly its KV, in every
-        group; a sliding-window group only in its window, which must be there whole."""
+        group; a sliding-window group only in its window, which must be there whole, and
+        a Mamba group only in the block of the last token, where its state is."""
         for group, (layers, blocks) in enumerate(
             zip(self.groups, self.blocks[req_id], strict=True)
         ):
             window_start = 0
             if group and self.sliding_window is not None:
                 window_start = max(0, num_tokens - self.sliding_window + 1)
+            elif group and self.shape == "mamba":
+                window_start = max(0, num_tokens - 1) // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
             for position in range(num_tokens):
                 block = blocks[position // TOKENS_PER_BLOCK]
                 if block == 0:  # vLLM's null block: a window's tokens passed by

@@ -104,6 +104,8 @@ class Engine:
         # FlashAttention backend resolves: what its canonical and replicated layouts ask.
         self.config.parallel_config.distributed_executor_backend = "mp"
         self.config.cache_config.kv_cache_layout = "LBNHC"
+        if shape == "mamba":  # the mode in which vLLM caches Mamba states by prefix
+            self.config.cache_config.mamba_cache_mode = "align"
         self.runners: list[ModelRunner] = []
         self.remotes: list[RemoteRunner] = []
         if workers is None:

@@ -351,12 +351,19 @@ def test_a_hybrid_model_hits_what_vllms_own_cpu_spec_hits(make_engine, blocks_pe
 
 
 @pytest.mark.parametrize(
-    ("tiers", "window"),
-    [("primary", None), ("fs", None), ("s3", None), ("primary", WINDOW), ("fs", WINDOW)],
-    ids=["primary", "fs", "s3", "hybrid", "hybrid-fs"],
+    ("tiers", "window", "shape"),
+    [
+        ("primary", None, "salted"),
+        ("fs", None, "salted"),
+        ("s3", None, "salted"),
+        ("primary", WINDOW, "salted"),
+        ("fs", WINDOW, "salted"),
+        ("fs", None, "mamba"),
+    ],
+    ids=["primary", "fs", "s3", "hybrid", "hybrid-fs", "mamba-fs"],
 )
 def test_two_tensor_parallel_ranks_each_load_back_their_own_bytes(
-    make_engine, worker_processes, tmp_path, tiers, window, request
+    make_engine, worker_processes, tmp_path, tiers, window, shape, request
 ):
     # Two worker processes, each with KV bytes of its own (salted by its rank), share
     # the engine's primary region: each copies only its column of every slot, vLLM
@@ -366,7 +373,7 @@ def test_two_tensor_parallel_ranks_each_load_back_their_own_bytes(
         extra = s3_tier_config(request.getfixturevalue("moto"), request.getfixturevalue("bucket"))
     else:
         extra = tier_config(tiers, tmp_path)
-    engine = make_engine(extra, workers=worker_processes, sliding_window=window)
+    engine = make_engine(extra, workers=worker_processes, sliding_window=window, shape=shape)
     shared = prompt(41, 6)
     engine.add("first", [*shared, 5, 6, 7])
     engine.run()
@@ -501,3 +508,55 @@ def test_an_mla_models_latent_is_stored_once_and_read_by_every_rank(
     assert spec.config.layout == ("canonical" if canonical else "direct")
     assert spec.geometry.column_bytes == spec.config.kv_bytes_per_block
     store_then_load_from_the_tiers(engine, seed=53, verified_here=False)
+
+
+@pytest.mark.parametrize("tiers", ["primary", "fs"])
+def test_a_mamba_hybrids_state_chunk_loads_back_byte_exact(make_engine, tmp_path, tiers):
+    # vLLM offloads a Mamba group's state as a window of one chunk: the chunk of the
+    # prefix's last token. kvtier stores and loads it beside the attention group's
+    # chunks, each group's bytes its own, and the byte check covers both.
+    engine = make_engine(tier_config(tiers, tmp_path), shape="mamba")
+    shared = prompt(61, 6)
+    engine.add("first", [*shared, 5, 6, 7])
+    engine.run()
+    if tiers == "fs":
+        engine.drain_tiers()
+        engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.wipe_gpu()
+    splits = record_loads(engine)
+    engine.add("second", [*shared, 9, 9, 9, 9])
+    engine.run()
+    assert engine.cached_at_start["second"] == 6 * TOKENS_PER_BLOCK
+    # Attention loads all 6 blocks, the Mamba group the one that holds the state.
+    [split] = splits
+    assert list(split.sizes) == [6, 1]
+
+
+def test_a_mamba_hybrid_hits_what_vllms_own_tiering_hits(make_engine, tmp_path):
+    # The same requests through kvtier and through vLLM's own TieringOffloadingSpec
+    # (its scheduler side): every request finds as many tokens.
+    def run(extra, root, **kwargs):
+        root.mkdir()
+        engine = make_engine({**tier_config("fs", root), **extra}, shape="mamba", **kwargs)
+        base = prompt(62, 7)
+        engine.add("store", [*base, 1])
+        engine.run()
+        engine.drain_tiers()
+        engine.scheduler.reset_prefix_cache(reset_connector=True)
+        for name, tokens in [
+            ("all", [*base, 2, 2]),
+            ("head", [*base[: 4 * TOKENS_PER_BLOCK], *prompt(63, 2)]),
+            ("other", prompt(64, 3)),
+        ]:
+            engine.wipe_gpu()
+            engine.add(name, tokens)
+            engine.run()
+        return engine.cached_at_start
+
+    kvtier_hits = run({}, tmp_path / "kvtier")
+    vllm_hits = run(VLLM_TIERING, tmp_path / "vllm", copies=False)
+    assert kvtier_hits == vllm_hits
+    assert kvtier_hits["all"] == 7 * TOKENS_PER_BLOCK
+    # The state is kept for the end of a stored prompt only: a prompt sharing a
+    # shorter head has no state to start from, through either spec.
+    assert kvtier_hits["head"] == kvtier_hits["other"] == 0
