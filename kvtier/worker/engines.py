@@ -224,9 +224,12 @@ def scatter_pages(
         page = part.page
         assert page is not None
         for i, slot in enumerate(slots):
-            for j in range(bpc):
-                if page.writes(slot * bpc + j):
-                    for source, (_, region) in zip(local, part.runs, strict=True):
+            for source, (_, region) in zip(local, part.runs, strict=True):
+                if part.writes_all():  # the chunk's blocks in one copy
+                    region[slot].copy_(source[i * bpc : (i + 1) * bpc])
+                    continue
+                for j in range(bpc):
+                    if page.writes(slot * bpc + j):
                         region[slot, j].copy_(source[i * bpc + j])
 
 

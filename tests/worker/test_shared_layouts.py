@@ -270,3 +270,25 @@ def test_fragments_through_a_bounce_buffer_land_where_the_workers_copies_put_the
     finally:
         for spec in reversed(specs):
             spec.shutdown()
+
+
+def test_a_bounce_buffer_scatters_only_the_pages_its_rank_is_dealt(engine_id):
+    kv = full_kv(6)
+    whole = kv[0].nbytes
+    run = PageRun(0, 0, whole, 1, whole, whole)
+    specs = rank_specs(
+        engine_id, 2, whole, layout="canonical", canonical_format="test-nhd", replicated=True
+    )
+    manager = specs[0].get_manager()
+    worker = specs[1].create_worker(
+        [kv.clone()], pages=[PageMap(page_bytes=whole, runs=(run,), writers=2, writer_index=1)]
+    )
+    try:
+        blocks = [0, 1, 2, 3]
+        scatter_pages(worker.layout, kv[blocks].view(4, -1).view(torch.uint8), [0, 1, 2, 3])
+        rows = [bytes(manager.region.primary_view[slot])[:whole] for slot in range(4)]
+        assert rows[1] == page_bytes(kv, [1]) and rows[3] == page_bytes(kv, [3])
+        assert rows[0] == rows[2] == bytes(whole)
+    finally:
+        for spec in reversed(specs):
+            spec.shutdown()
