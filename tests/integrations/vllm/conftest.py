@@ -311,6 +311,20 @@ def worker_processes(model_config: ModelConfig) -> Iterator[list[RemoteRunner]]:
 
 
 @pytest.fixture(scope="session")
+def vllm_tiering() -> dict[str, Any]:
+    """The extra_config keys naming vLLM's own TieringOffloadingSpec, as a reference.
+
+    vLLM's fs tier decides at import whether it runs its C extension; the extension is
+    made importable first, as ``benchmarks/vs_vllm.py`` does, so that it takes the same
+    I/O path whichever test imports it first.
+    """
+    import vs_vllm
+
+    vs_vllm.load_fs_io_extension()
+    return {"spec_name": "TieringOffloadingSpec"}
+
+
+@pytest.fixture(scope="session")
 def mla_model_config() -> ModelConfig:
     return offline_model_config(mla=True)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import pytest
 
@@ -143,19 +144,22 @@ def test_the_s3_tier_serves_a_prompt_back_through_vllm(make_engine, moto, bucket
     store_then_load_from_the_tiers(engine, seed=3)
 
 
-def test_the_p2p_tier_serves_one_engines_prompt_to_another(make_engine):
-    def p2p(**tier) -> dict:
-        return {
-            "cpu_bytes_to_use": PRIMARY_BYTES,
-            "secondary_tiers": [
-                {"type": "p2p", "secret": "kvtier-vllm-test-secret-0123456789", **tier}
-            ],
-        }
+def p2p_tier_config(**tier) -> dict:
+    """The primary tier and a p2p tier on loopback."""
+    return {
+        "cpu_bytes_to_use": PRIMARY_BYTES,
+        "secondary_tiers": [
+            {"type": "p2p", "secret": "kvtier-vllm-test-secret-0123456789", **tier}
+        ],
+    }
 
-    owner = make_engine(p2p(listen="127.0.0.1:0"))
+
+def serve_over_p2p(owner, make_reader, seed: int) -> Any:
+    """The owner stores a prompt; a reader made with the owner's address finds all of
+    it in the owner's primary tier over loopback. Returns the reader."""
     address = owner.manager.kvtier.tiers[0].listen_address
-    reader = make_engine(p2p(listen="127.0.0.1:0", peers=[address]))
-    shared = prompt(4, 8)
+    reader = make_reader(address)
+    shared = prompt(seed, 8)
     owner.add("first", [*shared, 5])
     owner.run()
     # The owner announces what its primary tier stored; the reader's lookups are
@@ -168,6 +172,39 @@ def test_the_p2p_tier_serves_one_engines_prompt_to_another(make_engine):
     reader.add("second", [*shared, 6])
     reader.run()
     assert reader.cached_at_start["second"] == 8 * TOKENS_PER_BLOCK
+    return reader
+
+
+def test_the_p2p_tier_serves_one_engines_prompt_to_another(make_engine):
+    owner = make_engine(p2p_tier_config(listen="127.0.0.1:0"))
+    reader = serve_over_p2p(
+        owner,
+        lambda address: make_engine(p2p_tier_config(listen="127.0.0.1:0", peers=[address])),
+        seed=4,
+    )
+    assert reader.verified_blocks >= 8
+
+
+def test_the_p2p_tier_serves_a_tp_2_engines_canonical_prompt_to_a_tp_1_engine(
+    make_engine, worker_processes
+):
+    # Two worker processes fill the owner's region with their heads of each canonical
+    # page; the reader, one rank holding both heads, reads those rows over loopback
+    # and checks every token's bytes.
+    extra = {"canonical_layout": True}
+    owner = make_engine(
+        {**p2p_tier_config(listen="127.0.0.1:0"), **extra},
+        workers=worker_processes,
+        shape="sharded",
+    )
+    reader = serve_over_p2p(
+        owner,
+        lambda address: make_engine(
+            {**p2p_tier_config(listen="127.0.0.1:0", peers=[address]), **extra},
+            shape="sharded",
+        ),
+        seed=5,
+    )
     assert reader.verified_blocks >= 8
 
 
@@ -432,9 +469,6 @@ def test_a_canonical_cache_written_at_one_tp_size_is_read_byte_exact_at_another(
     assert reader.finished == {"second"}
 
 
-VLLM_TIERING = {"spec_name": "TieringOffloadingSpec"}
-
-
 @pytest.mark.parametrize(
     ("canonical", "shape", "window"),
     [
@@ -447,7 +481,7 @@ VLLM_TIERING = {"spec_name": "TieringOffloadingSpec"}
     ids=["canonical", "direct", "canonical-hybrid", "mla", "mla-canonical"],
 )
 def test_a_tp_2_engine_finds_what_vllms_own_tiering_finds_of_a_tp_1_engines_cache(
-    make_engine, worker_processes, tmp_path, canonical, shape, window
+    make_engine, worker_processes, vllm_tiering, tmp_path, canonical, shape, window
 ):
     # The same two engines (TP=1 stores a prompt to an fs root, TP=2 looks it up
     # there) through kvtier and through vLLM's own TieringOffloadingSpec, whose
@@ -471,7 +505,7 @@ def test_a_tp_2_engine_finds_what_vllms_own_tiering_finds_of_a_tp_1_engines_cach
         return engine.cached_at_start["second"]
 
     kvtier_found = run({}, tmp_path / "kvtier", workers=worker_processes)
-    vllm_found = run(VLLM_TIERING, tmp_path / "vllm", world_size=2)
+    vllm_found = run(vllm_tiering, tmp_path / "vllm", world_size=2)
     assert kvtier_found == vllm_found
     assert kvtier_found == (6 * TOKENS_PER_BLOCK if canonical else 0)
 
@@ -532,7 +566,7 @@ def test_a_mamba_hybrids_state_chunk_loads_back_byte_exact(make_engine, tmp_path
     assert list(split.sizes) == [6, 1]
 
 
-def test_a_mamba_hybrid_hits_what_vllms_own_tiering_hits(make_engine, tmp_path):
+def test_a_mamba_hybrid_hits_what_vllms_own_tiering_hits(make_engine, vllm_tiering, tmp_path):
     # The same requests through kvtier and through vLLM's own TieringOffloadingSpec
     # (its scheduler side): every request finds as many tokens.
     def run(extra, root, **kwargs):
@@ -554,7 +588,7 @@ def test_a_mamba_hybrid_hits_what_vllms_own_tiering_hits(make_engine, tmp_path):
         return engine.cached_at_start
 
     kvtier_hits = run({}, tmp_path / "kvtier")
-    vllm_hits = run(VLLM_TIERING, tmp_path / "vllm", copies=False)
+    vllm_hits = run(vllm_tiering, tmp_path / "vllm", copies=False)
     assert kvtier_hits == vllm_hits
     assert kvtier_hits["all"] == 7 * TOKENS_PER_BLOCK
     # The state is kept for the end of a stored prompt only: a prompt sharing a
