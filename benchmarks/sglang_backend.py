@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
 from sglang_host import Geometry, HiCacheHost, configure_process, kvtier_extra_config
 
@@ -109,6 +110,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="kvtier's cpu_bytes_to_use (its primary tier; the rest of its settings "
         "are the defaults)",
     )
+    parser.add_argument(
+        "--tier-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a parameter of kvtier's fs tier (value as JSON, else a string), e.g. "
+        "o_direct=false; without one, its defaults",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, two rounds")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
@@ -138,7 +147,13 @@ class Bench:
         self.dirs = {name: root / name for name in BACKENDS}
         kvtier = {
             "cpu_bytes_to_use": args.cpu_bytes,
-            "secondary_tiers": [{"type": "fs", "root_dir": str(self.dirs["kvtier"])}],
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": str(self.dirs["kvtier"]),
+                    **common.tier_options(args.tier_option),
+                }
+            ],
         }
         self.hosts = {
             "kvtier": HiCacheHost("dynamic", kvtier_extra_config(kvtier), geometry=self.geometry),
