@@ -232,6 +232,16 @@ def vs_vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
         ]
         for way, phase in (("write", "store"), ("read", "promotion"))
     ]
+    rows.append(
+        [
+            "promotion / raw read of the run's own files (GB/s)",
+            *(
+                f"{r[f'{side}_promotion_own_ratio']:.2f} ({r[f'{side}_own_files_read_gbps']:.2f})"
+                for side in ("vllm", "kvtier")
+            ),
+            "-",
+        ]
+    )
     vllm_fs = r["vllm_fs"]
     text = (
         f"Command: `{display(command)}` ({TODAY}; medians of {r['runs']} alternating runs "

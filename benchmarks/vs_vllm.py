@@ -31,6 +31,14 @@ directory, so that the disk's drift falls on both alike; the table shows the med
    measure): lookup hits and one-chunk store cycles per second, under the lock.
 5. The raw reference again; the limit is the mean of the two.
 
+Each run also reads the chunk files its tier promoted from, just after the promotions,
+evicted from the page cache, at the raw reference's thread counts (the best of them):
+the same files from the same place at the same moment. A virtual disk may serve files
+written minutes before from its host's cache, which the reference's own files (written
+at the start and the end) do not see alike; against this read, a promotion ratio above
+1 would mean the tier beat the disk itself (``<side>_promotion_own_ratio``, the median
+of the runs' ratios, and ``<side>_own_files_read_gbps``).
+
 CPU time is the whole process's (``getrusage``, every thread) over a phase, per GiB
 stored or promoted; it includes the worker thread's copies and checks, the same work
 for both. The loop lag is kvtier's (an event-loop probe on its tier loop); vLLM has no
@@ -89,6 +97,7 @@ import torch
 from serving_path import CopyThread, Scheduler, Waiting
 from vllm_offline import offloading_config
 
+from kvtier.bench import physical
 from kvtier.records import TransferResult
 
 # Importing vLLM compiles a few kernels with torch, which warns about its own
@@ -647,8 +656,10 @@ def run_once(
     requests: Sequence[list[OffloadKey]],
     patterns: common.Patterns,
     page_cache: str,
+    direct: bool,
 ) -> dict[str, Any]:
-    """One run of side ``name`` in ``root``: stores, promotions, then the call rates."""
+    """One run of side ``name`` in ``root``: stores, promotions, a raw read of the files
+    it promoted from, then the call rates."""
     tier_root = root / "tier"
     root.mkdir()  # kvtier's fs tier creates its root_dir, not the parents
     side = SIDE_CLASSES[name](args, tier_root)
@@ -671,6 +682,7 @@ def run_once(
         promoted = side.fs_bytes_read(driver.stats) - read_before
         lag = side.loop_lag_p99_ms()
         fs = side.fs_shape()
+        own_read = own_files_read_gbps(tier_root, args, direct)
     finally:
         copier.inbox.put(None)
         copier.join()
@@ -693,12 +705,25 @@ def run_once(
         "lookup_misses": figures.lookup_misses,
         "requests_loaded": len(figures.waits),
         "promoted_bytes": promoted,
+        "own_files_read_gbps": own_read,
         "files_on_disk": files,
         "store_s": store.seconds,
         "load_s": load.seconds,
         "steps": figures.steps,
         "fs": fs,
     }
+
+
+def own_files_read_gbps(tier_root: Path, args: argparse.Namespace, direct: bool) -> float:
+    """The best raw cold read of the chunk files a run's tier wrote, right after it
+    promoted from them: the same files from the same place at the same moment, so that
+    a cache below the page cache serves the reference as it served the tier."""
+    files = [
+        path
+        for path in tier_root.rglob("*")
+        if path.is_file() and path.stat().st_size >= args.chunk_bytes
+    ]
+    return physical.measure_reads(files, depths=raw_depths(args.raw_threads), direct=direct)
 
 
 def call_rates(name: str, args: argparse.Namespace) -> dict[str, float]:
@@ -801,6 +826,10 @@ def summarize(
     for name in sides:
         out[f"{name}_store_ratio"] = sides[name]["store_gbps"] / raw["raw_write_gbps"]
         out[f"{name}_promotion_ratio"] = sides[name]["promotion_gbps"] / raw["raw_read_gbps"]
+        # Run by run against the read of its own files, then the median.
+        out[f"{name}_promotion_own_ratio"] = statistics.median(
+            run["promotion_gbps"] / run["own_files_read_gbps"] for run in runs[name]
+        )
         out[f"{name}_fs"] = runs[name][-1]["fs"]
     out |= facts
     out["figures"] = [list(figure) for figure in FIGURES]
@@ -846,7 +875,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     for i in range(args.runs):
         for name in args.sides:  # alternating, so drift falls on both
             runs[name].append(
-                run_once(name, args, root / f"{name}-{i}", requests, patterns, page_cache)
+                run_once(name, args, root / f"{name}-{i}", requests, patterns, page_cache, direct)
             )
     limits = common.raw_disk(before, raw("raw-after"))
     facts = {
@@ -909,6 +938,14 @@ def report(figures: dict[str, Any]) -> str:
         + ", ".join(f"{LABELS[n]} {figures[f'{n}_store_ratio']:.2f}" for n in sides)
         + "; promotion "
         + ", ".join(f"{LABELS[n]} {figures[f'{n}_promotion_ratio']:.2f}" for n in sides)
+    )
+    print(
+        "  promotion against a raw read of the run's own files, just after it: "
+        + ", ".join(
+            f"{LABELS[n]} {figures[f'{n}_promotion_own_ratio']:.2f} (read at "
+            f"{figures[f'{n}_own_files_read_gbps']:.2f} GB/s)"
+            for n in sides
+        )
     )
     text = json.dumps(figures)
     print(text)

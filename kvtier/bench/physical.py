@@ -31,6 +31,7 @@ __all__ = [
     "measure_disk",
     "measure_loopback",
     "measure_memcpy",
+    "measure_reads",
     "measure_s3",
     "recv_exactly",
 ]
@@ -78,37 +79,66 @@ def _one_pass(directory: Path, count: int, chunk: int, threads: int, direct: boo
         finally:
             os.close(fd)
 
-    # Reads go as the fs tier's do: with O_DIRECT when it writes so, into page-aligned
-    # buffers that are already mapped (the region is prefaulted), one per thread.
-    read_flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    buffers = threading.local()
-
-    def read(path: Path) -> None:
-        into = getattr(buffers, "into", None)
-        if into is None:
-            into = buffers.into = mmap.mmap(-1, _HEADER + chunk)
-            into[:] = bytes(len(into))
-        fd = os.open(path, read_flags)
-        try:
-            os.preadv(fd, [memoryview(into)], 0)
-        finally:
-            os.close(fd)
-
     try:
         with ThreadPoolExecutor(threads) as pool:
             started = time.perf_counter()
             list(pool.map(write, paths))
             os.sync()
             write_s = time.perf_counter() - started
-            drop_page_cache(paths)
-            started = time.perf_counter()
-            list(pool.map(read, paths))
-            read_s = time.perf_counter() - started
+        read_s = _read_cold(paths, _HEADER + chunk, threads, direct)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         source.close()
     total = count * chunk
     return DiskLimits(total / write_s / 1e9, total / read_s / 1e9)
+
+
+def _read_cold(paths: list[Path], file_bytes: int, threads: int, direct: bool) -> float:
+    """Seconds to read ``paths`` (each at most ``file_bytes``) on ``threads`` threads,
+    after evicting them from the page cache.
+
+    Reads go as the fs tier's do: with O_DIRECT when it writes so, into page-aligned
+    buffers that are already mapped (the region is prefaulted), one per thread.
+    """
+    read_flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    size = -(-file_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    buffers = threading.local()
+
+    def read(path: Path) -> None:
+        into = getattr(buffers, "into", None)
+        if into is None:
+            into = buffers.into = mmap.mmap(-1, size)
+            into[:] = bytes(size)
+        fd = os.open(path, read_flags)
+        try:
+            os.preadv(fd, [memoryview(into)], 0)
+        finally:
+            os.close(fd)
+
+    drop_page_cache(paths)
+    with ThreadPoolExecutor(threads) as pool:
+        started = time.perf_counter()
+        list(pool.map(read, paths))
+        return time.perf_counter() - started
+
+
+def measure_reads(
+    paths: list[Path], *, depths: Iterable[int] = (4,), direct: bool = False
+) -> float:
+    """Best cold read bandwidth, GB/s, of the existing files ``paths`` (a tier's own,
+    just written), by one thread and by each of ``depths`` threads.
+
+    Files a run has just written may be served from a cache below the page cache (a
+    virtual disk's host): read at the same moment and from the same place, they are
+    the reference a tier reading them is held against.
+    """
+    if not paths:
+        raise ValueError("measure_reads needs at least one file")
+    sizes = [path.stat().st_size for path in paths]
+    seconds = min(
+        _read_cold(paths, max(sizes), threads, direct) for threads in sorted({1, *depths})
+    )
+    return sum(sizes) / seconds / 1e9
 
 
 def measure_disk(
