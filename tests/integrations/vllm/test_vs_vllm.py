@@ -42,6 +42,9 @@ def test_a_quick_run_reports_both_sides_whole_and_the_io_path_vllm_took(tmp_path
         assert run["promoted_bytes"] == chunks * figures["chunk_bytes"]
         assert run["requests_loaded"] == chunks // job_chunks
         assert run["copy_failures"] == 0
+        # The raw read of the files the run promoted from, right after it.
+        assert run["own_files_read_gbps"] > 0
+        assert figures[f"{side}_promotion_own_ratio"] > 0
     # kvtier over vLLM for each figure (a count of 0 has no ratio).
     assert {f"ratio_{name}" for name in REQUIRED - {"mismatches"}} - figures.keys() == set()
     assert "kvtier_loop_lag_p99_ms" in figures

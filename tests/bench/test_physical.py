@@ -1,0 +1,27 @@
+"""The raw references benchmarks hold the tiers against."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.bench.physical import measure_reads
+
+
+def test_a_raw_read_of_existing_files_reads_them_whole_at_each_depth(tmp_path):
+    # Files of uneven sizes, as tiers write them (a header page and a chunk): the
+    # figure is their bytes over the best pass's time, so it is positive and finite.
+    paths = []
+    for i, size in enumerate([4096 + 65536, 4096 + 65536, 12345]):
+        path = tmp_path / f"{i:02x}" / "chunk.bin"
+        path.parent.mkdir()
+        path.write_bytes(bytes([i]) * size)
+        paths.append(path)
+    gbps = measure_reads(paths, depths=(2, 4))
+    assert 0 < gbps < float("inf")
+    # Reading leaves the files as they were.
+    assert [path.read_bytes()[:1] for path in paths] == [b"\x00", b"\x01", b"\x02"]
+
+
+def test_a_raw_read_of_no_file_is_refused():
+    with pytest.raises(ValueError, match="at least one file"):
+        measure_reads([])
