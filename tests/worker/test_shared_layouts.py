@@ -78,6 +78,20 @@ def canonical_specs(engine_id: str, world: int, **extra):
     )
 
 
+def latent_ranks(engine_id: str, whole: int):
+    """Two ranks holding the same ``whole``-byte pages (an MLA latent), canonically laid
+    out in one copy per row."""
+    return rank_specs(
+        engine_id, 2, whole, layout="canonical", canonical_format="test-nhd", replicated=True
+    )
+
+
+def dealt_page(whole: int, rank: int) -> PageMap:
+    """A whole page that two ranks hold alike, whose writing they take turns at."""
+    run = PageRun(0, 0, whole, 1, whole, whole)
+    return PageMap(page_bytes=whole, runs=(run,), writers=2, writer_index=rank)
+
+
 def store(worker, job_id, blocks, slots):
     worker.submit_store(job_id, blocks, slots)
     [result] = wait_finished(worker, 1)
@@ -162,15 +176,10 @@ def test_ranks_that_hold_the_same_fragments_take_turns_writing_pages(engine_id):
     # pages it is dealt, so one rank's stores fill every other page, both fill all.
     kv = full_kv(3)
     whole = kv[0].nbytes
-    run = PageRun(0, 0, whole, 1, whole, whole)
-    specs = rank_specs(
-        engine_id, 2, whole, layout="canonical", canonical_format="test-nhd", replicated=True
-    )
+    specs = latent_ranks(engine_id, whole)
     manager = specs[0].get_manager()
     workers = [
-        spec.create_worker(
-            [kv.clone()], pages=[PageMap(page_bytes=whole, runs=(run,), writers=2, writer_index=r)]
-        )
+        spec.create_worker([kv.clone()], pages=[dealt_page(whole, r)])
         for r, spec in enumerate(specs)
     ]
     try:
@@ -275,14 +284,9 @@ def test_fragments_through_a_bounce_buffer_land_where_the_workers_copies_put_the
 def test_a_bounce_buffer_scatters_only_the_pages_its_rank_is_dealt(engine_id):
     kv = full_kv(6)
     whole = kv[0].nbytes
-    run = PageRun(0, 0, whole, 1, whole, whole)
-    specs = rank_specs(
-        engine_id, 2, whole, layout="canonical", canonical_format="test-nhd", replicated=True
-    )
+    specs = latent_ranks(engine_id, whole)
     manager = specs[0].get_manager()
-    worker = specs[1].create_worker(
-        [kv.clone()], pages=[PageMap(page_bytes=whole, runs=(run,), writers=2, writer_index=1)]
-    )
+    worker = specs[1].create_worker([kv.clone()], pages=[dealt_page(whole, 1)])
     try:
         blocks = [0, 1, 2, 3]
         scatter_pages(worker.layout, kv[blocks].view(4, -1).view(torch.uint8), [0, 1, 2, 3])

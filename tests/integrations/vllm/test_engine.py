@@ -319,16 +319,10 @@ def record_loads(engine) -> list:
     return splits
 
 
-@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
-@pytest.mark.parametrize("tiers", ["primary", "fs"])
-def test_a_hybrid_models_groups_load_back_byte_exact(
-    make_engine, tmp_path, tiers, blocks_per_chunk
-):
-    # Each group's tokens hold bytes of their own: a chunk of one group loaded into the
-    # other's blocks, or a window block missing, fails the byte check.
-    extra = {**tier_config(tiers, tmp_path), "blocks_per_chunk": blocks_per_chunk}
-    engine = make_engine(extra, sliding_window=WINDOW)
-    shared = prompt(21, 8)
+def reload_one_prompt(engine, tiers: str, *, seed: int, num_blocks: int) -> Any:
+    """Store a prompt (to the fs tier too, then empty the primary tier), empty vLLM's
+    cache, and load the prompt back whole; the one load's split among the groups."""
+    shared = prompt(seed, num_blocks)
     engine.add("first", [*shared, 5, 6, 7])
     engine.run()
     if tiers == "fs":
@@ -338,10 +332,23 @@ def test_a_hybrid_models_groups_load_back_byte_exact(
     splits = record_loads(engine)
     engine.add("second", [*shared, 9, 9, 9, 9])
     engine.run()
-    assert engine.cached_at_start["second"] == 8 * TOKENS_PER_BLOCK
+    assert engine.cached_at_start["second"] == num_blocks * TOKENS_PER_BLOCK
+    [split] = splits
+    return split
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+@pytest.mark.parametrize("tiers", ["primary", "fs"])
+def test_a_hybrid_models_groups_load_back_byte_exact(
+    make_engine, tmp_path, tiers, blocks_per_chunk
+):
+    # Each group's tokens hold bytes of their own: a chunk of one group loaded into the
+    # other's blocks, or a window block missing, fails the byte check.
+    extra = {**tier_config(tiers, tmp_path), "blocks_per_chunk": blocks_per_chunk}
+    engine = make_engine(extra, sliding_window=WINDOW)
+    split = reload_one_prompt(engine, tiers, seed=21, num_blocks=8)
     # Full attention loads all 8 blocks; the window group only the 3 it keeps, from
     # the middle of a chunk when chunks are 2 blocks (its blocks 5-7).
-    [split] = splits
     assert list(split.sizes) == [8, 3]
     assert list(split.skips) == [0, 1 if blocks_per_chunk == 2 else 0]
 
@@ -550,19 +557,8 @@ def test_a_mamba_hybrids_state_chunk_loads_back_byte_exact(make_engine, tmp_path
     # prefix's last token. kvtier stores and loads it beside the attention group's
     # chunks, each group's bytes its own, and the byte check covers both.
     engine = make_engine(tier_config(tiers, tmp_path), shape="mamba")
-    shared = prompt(61, 6)
-    engine.add("first", [*shared, 5, 6, 7])
-    engine.run()
-    if tiers == "fs":
-        engine.drain_tiers()
-        engine.scheduler.reset_prefix_cache(reset_connector=True)
-    engine.wipe_gpu()
-    splits = record_loads(engine)
-    engine.add("second", [*shared, 9, 9, 9, 9])
-    engine.run()
-    assert engine.cached_at_start["second"] == 6 * TOKENS_PER_BLOCK
+    split = reload_one_prompt(engine, tiers, seed=61, num_blocks=6)
     # Attention loads all 6 blocks, the Mamba group the one that holds the state.
-    [split] = splits
     assert list(split.sizes) == [6, 1]
 
 
