@@ -100,6 +100,26 @@ def test_joining_with_another_layout_is_refused(engine_id):
         open_region(engine_id, 0, num_chunks=7)
 
 
+def test_every_rank_of_a_shared_column_maps_the_same_bytes(engine_id):
+    with (
+        open_region(engine_id, None, shared_column=True) as scheduler,
+        open_region(engine_id, 0, shared_column=True) as rank0,
+        open_region(engine_id, 1, shared_column=True) as rank1,
+    ):
+        rank1.worker_column()[2].fill_(7)
+        assert bool((rank0.worker_column()[2] == 7).all())
+        row = bytes(scheduler.primary_view[2])
+        assert row[: rank0.column_bytes] == b"\x07" * rank0.column_bytes
+
+
+def test_joining_a_shared_column_region_with_columns_per_rank_is_refused(engine_id):
+    with (
+        open_region(engine_id, None, shared_column=True),
+        pytest.raises(RegionError, match=r"one shared 3000-byte column"),
+    ):
+        open_region(engine_id, 0)
+
+
 def test_a_seat_cannot_be_taken_twice(engine_id):
     with (
         open_region(engine_id, None),
