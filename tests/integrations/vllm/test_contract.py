@@ -132,6 +132,34 @@ def test_a_canonical_namespace_names_the_format_and_not_the_ranks(engine_id):
     assert len({one, direct_one, direct_two}) == 3
 
 
+def whole_page(page: int, *, agnostic: bool = True) -> vllm_base.CanonicalPageMapping:
+    """One rank's mapping of a page onto the canonical page it alone makes up."""
+    run = vllm_base.CopyRun(0, 0, page, 1, page, page)
+    return vllm_base.CanonicalPageMapping(page, page, (run,), 1, 0, agnostic)
+
+
+@pytest.mark.parametrize(
+    ("mappings", "message"),
+    [
+        ((None, None), "could not certify a layer of KV-cache group 0"),
+        ((whole_page(2048, agnostic=False),) * 2, "could not certify"),
+        ((whole_page(2048), whole_page(1024)), "map its pages differently"),
+    ],
+    ids=["uncertified", "not-agnostic", "two-maps-for-one-tensor"],
+)
+def test_a_canonical_worker_refuses_layers_vllm_did_not_certify_alike(engine_id, mappings, message):
+    # Two layers sharing one tensor, as vLLM's refs name them; no worker is built.
+    config = offloading_config(engine_id, {"cpu_bytes_to_use": 1 << 20}, canonical_layout=True)
+    spec = KVTierOffloadingSpec(config)
+    tensor = torch.zeros((8, 2048), dtype=torch.int8)
+    caches = vllm_base.CanonicalKVCaches(
+        tensors=[vllm_base.CanonicalKVCacheTensor(tensor, 2048)],
+        group_data_refs=[[vllm_base.CanonicalKVCacheRef(0, 2048, mapping) for mapping in mappings]],
+    )
+    with pytest.raises(ValueError, match=f"canonical_layout: .*{message}"):
+        spec.get_worker(caches)
+
+
 def test_an_mla_models_replicated_layout_keeps_one_copy_per_chunk(engine_id):
     config = offloading_config(
         engine_id,
