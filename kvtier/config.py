@@ -147,11 +147,6 @@ def chunk_row_bytes(kv_bytes_per_block: int, blocks_per_chunk: int, world_size: 
     return round_up(kv_bytes_per_block * blocks_per_chunk * world_size, PAGE_SIZE)
 
 
-def _copies_per_row(config: OffloadingConfig) -> int:
-    """How many workers' bytes a row holds: one copy when the ranks hold the same."""
-    return 1 if config.replicated else config.world_size
-
-
 @dataclass(frozen=True)
 class ChunkGeometry:
     """How chunks map onto the primary region.
@@ -204,7 +199,8 @@ class ChunkGeometry:
             )
         blocks_per_chunk = block_size // config.tokens_per_block
         shared = config.layout == "canonical" or config.replicated
-        copies = _copies_per_row(config)
+        # How many workers' bytes a row holds: one copy when the ranks hold the same.
+        copies = 1 if config.replicated else config.world_size
         column_bytes = config.kv_bytes_per_block * blocks_per_chunk
         if config.layout == "canonical":
             column_bytes *= copies

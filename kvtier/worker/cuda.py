@@ -33,7 +33,6 @@ from kvtier.worker.engines import (
     CopyEngine,
     CopyEvent,
     CpuCopyEngine,
-    bounce_bytes,
     gather_pages,
     scatter_pages,
 )
@@ -160,7 +159,7 @@ class CudaCopyEngine(CopyEngine):
         stream = self._store_stream
         rows = gpu_block_ids.numel()
         bounce = torch.empty(
-            (rows, bounce_bytes(layout, group)), dtype=torch.uint8, pin_memory=True
+            (rows, layout.group_block_bytes[group]), dtype=torch.uint8, pin_memory=True
         )
         with torch.cuda.stream(stream):
             stream.wait_stream(producer)
@@ -201,7 +200,7 @@ class CudaCopyEngine(CopyEngine):
 
         def gather_and_copy() -> None:
             bounce = torch.empty(
-                (rows, bounce_bytes(layout, group)), dtype=torch.uint8, pin_memory=True
+                (rows, layout.group_block_bytes[group]), dtype=torch.uint8, pin_memory=True
             )
             gather_pages(layout, slots, bounce, group)
             with torch.cuda.device(device), torch.cuda.stream(stream):

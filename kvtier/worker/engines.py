@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.resources import BlockingResource
-from kvtier.worker.layout import ColumnLayout, TensorSlice
+from kvtier.worker.layout import ColumnLayout, TensorSlice, page_run_views
 
 __all__ = [
     "COMPLETED",
@@ -204,32 +204,29 @@ def copy_load(
                         blocks[block].copy_(region[run.slot, j])
 
 
-def bounce_bytes(layout: ColumnLayout, group: int = 0) -> int:
-    """Bytes per block of a bounce buffer for ``group``: its tensors' pages back to back."""
-    return layout.group_block_bytes[group]
-
-
 def scatter_pages(
     layout: ColumnLayout, bounce: torch.Tensor, slots: list[int], group: int = 0
 ) -> None:
     """Store a canonical layout's fragments from ``bounce`` into their slots.
 
-    ``bounce`` (``uint8``, ``(len(slots) * blocks_per_chunk, bounce_bytes)``) holds the
-    job's blocks in order, each as the group's tensors' pages back to back: what a GPU
-    gathers and copies to the host in one piece, since its fragments cannot land in the
-    shared pages without a copy each. Only the pages this rank is dealt are written.
+    ``bounce`` (``uint8``, ``(len(slots) * blocks_per_chunk,
+    layout.group_block_bytes[group])``) holds the job's blocks in order, each as the
+    group's tensors' pages back to back: what a GPU gathers and copies to the host in
+    one piece, since its fragments cannot land in the shared pages without a copy
+    each. Only the pages this rank is dealt are written.
     """
     bpc = layout.blocks_per_chunk
-    for part, local in _bounce_runs(layout, bounce, group):
+    for part, pairs in _bounce_runs(layout, bounce, group):
         page = part.page
         assert page is not None
         for i, slot in enumerate(slots):
-            for source, (_, region) in zip(local, part.runs, strict=True):
-                if part.writes_all():  # the chunk's blocks in one copy
+            if part.writes_all():  # each run of the chunk's blocks in one copy
+                for source, region in pairs:
                     region[slot].copy_(source[i * bpc : (i + 1) * bpc])
-                    continue
-                for j in range(bpc):
-                    if page.writes(slot * bpc + j):
+                continue
+            for j in range(bpc):
+                if page.writes(slot * bpc + j):
+                    for source, region in pairs:
                         region[slot, j].copy_(source[i * bpc + j])
 
 
@@ -239,32 +236,24 @@ def gather_pages(
     """Load a canonical layout's fragments of ``slots`` into ``bounce``, laid out as
     :func:`scatter_pages` reads it (the runs cover every byte of a page)."""
     bpc = layout.blocks_per_chunk
-    for part, local in _bounce_runs(layout, bounce, group):
+    for _, pairs in _bounce_runs(layout, bounce, group):
         for i, slot in enumerate(slots):
-            for target, (_, region) in zip(local, part.runs, strict=True):
+            for target, region in pairs:
                 target[i * bpc : (i + 1) * bpc].copy_(region[slot])
 
 
 def _bounce_runs(
     layout: ColumnLayout, bounce: torch.Tensor, group: int
-) -> list[tuple[TensorSlice, list[torch.Tensor]]]:
-    """Each of the group's tensors, with its page runs as views of ``bounce``."""
+) -> list[tuple[TensorSlice, tuple[tuple[torch.Tensor, torch.Tensor], ...]]]:
+    """Each of the group's tensors, with its page runs as ``(bounce side, region side)``
+    views, as :attr:`TensorSlice.runs` holds them for the KV tensor."""
     out = []
     offset = 0
-    rows, stride, base = bounce.shape[0], bounce.stride(0), bounce.storage_offset()
     for part in layout.groups[group]:
-        page = part.page
-        if page is None:
+        if part.page is None:
             raise ValueError("a bounce buffer carries a canonical layout's pages only")
-        views = [
-            bounce.as_strided(
-                (rows, run.count, run.size),
-                (stride, run.local_stride, 1),
-                base + offset + run.local_offset,
-            )
-            for run in page.runs
-        ]
-        out.append((part, views))
+        local = bounce[:, offset : offset + part.block_bytes]
+        out.append((part, page_run_views(part.page, local, part.region_view, "bounce buffer")))
         offset += part.block_bytes
     return out
 

@@ -162,7 +162,7 @@ class ColumnLayout:
             runs = (
                 ((blocks, region_view),)
                 if page is None
-                else _page_runs(page, blocks, region_view, tensors[i][0])
+                else page_run_views(page, blocks, region_view, tensors[i][0])
             )
             slices.append(TensorSlice(blocks, block_bytes, offset, region_view, runs, page))
             offset += span
@@ -208,7 +208,7 @@ class ColumnLayout:
         return tuple(out)
 
 
-def _page_runs(
+def page_run_views(
     page: PageMap, blocks: torch.Tensor, region_view: torch.Tensor, name: str
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     """The ``(blocks side, region side)`` views of each run of ``page``.

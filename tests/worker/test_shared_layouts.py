@@ -10,7 +10,7 @@ from helpers import make_config, wait_finished
 from kvtier import ConfigError, OffloadingSpecFactory
 from kvtier.config import storage_namespace
 from kvtier.worker import PageMap, PageRun
-from kvtier.worker.engines import bounce_bytes, gather_pages, scatter_pages
+from kvtier.worker.engines import gather_pages, scatter_pages
 
 NUM_GPU_BLOCKS = 8
 TOKENS = 4
@@ -268,7 +268,7 @@ def test_fragments_through_a_bounce_buffer_land_where_the_workers_copies_put_the
             store(worker, 1, blocks, [3])
             layout = worker.layout
             bounce = torch.cat([part.blocks[blocks] for part in layout.groups[0]], dim=1)
-            assert bounce.shape[1] == bounce_bytes(layout)
+            assert bounce.shape[1] == layout.group_block_bytes[0]
             scatter_pages(layout, bounce, [4])
             bounces.append(bounce)
         assert bytes(manager.region.primary_view[4]) == bytes(manager.region.primary_view[3])
