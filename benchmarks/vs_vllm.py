@@ -642,11 +642,13 @@ def make_cold(mode: str, tier_root: Path) -> None:
     common.make_reads_cold("dropped" if mode == "drop_caches" else "o_direct", tier_root)
 
 
-def files_on_disk(tier_root: Path, chunk_bytes: int) -> int:
+def chunk_files(tier_root: Path, chunk_bytes: int) -> list[Path]:
     """Files under ``tier_root`` big enough to hold a chunk."""
-    return sum(
-        1 for path in tier_root.rglob("*") if path.is_file() and path.stat().st_size >= chunk_bytes
-    )
+    return [
+        path
+        for path in tier_root.rglob("*")
+        if path.is_file() and path.stat().st_size >= chunk_bytes
+    ]
 
 
 def run_once(
@@ -673,7 +675,7 @@ def run_once(
         with side.manager.lock:
             side.manager.reset_cache()
             side.manager.on_reset_flushed()  # no copy was in flight
-        files = files_on_disk(tier_root, args.chunk_bytes)
+        files = chunk_files(tier_root, args.chunk_bytes)
         make_cold(page_cache, tier_root)
         order = list(requests)
         random.Random(args.seed).shuffle(order)
@@ -682,7 +684,8 @@ def run_once(
         promoted = side.fs_bytes_read(driver.stats) - read_before
         lag = side.loop_lag_p99_ms()
         fs = side.fs_shape()
-        own_read = own_files_read_gbps(tier_root, args, direct)
+        # The files the promotions read, cold again, at the reference's depths.
+        own_read = physical.measure_reads(files, depths=raw_depths(args.raw_threads), direct=direct)
     finally:
         copier.inbox.put(None)
         copier.join()
@@ -706,24 +709,12 @@ def run_once(
         "requests_loaded": len(figures.waits),
         "promoted_bytes": promoted,
         "own_files_read_gbps": own_read,
-        "files_on_disk": files,
+        "files_on_disk": len(files),
         "store_s": store.seconds,
         "load_s": load.seconds,
         "steps": figures.steps,
         "fs": fs,
     }
-
-
-def own_files_read_gbps(tier_root: Path, args: argparse.Namespace, direct: bool) -> float:
-    """The best raw cold read of the chunk files a run's tier wrote, right after it
-    promoted from them: the same files from the same place at the same moment, so that
-    a cache below the page cache serves the reference as it served the tier."""
-    files = [
-        path
-        for path in tier_root.rglob("*")
-        if path.is_file() and path.stat().st_size >= args.chunk_bytes
-    ]
-    return physical.measure_reads(files, depths=raw_depths(args.raw_threads), direct=direct)
 
 
 def call_rates(name: str, args: argparse.Namespace) -> dict[str, float]:

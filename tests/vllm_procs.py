@@ -72,9 +72,10 @@ def token_kv(
 ) -> torch.Tensor:
     """The KV of the token at ``position`` in a layer of KV-cache group ``group`` on
     worker ``rank`` of ``world_size``: bytes that depend on every token up to it and the
-    group, and for a ``"salted"`` shape on the rank (see the module's shapes)."""
-    salted = shape in ("salted", "mamba") and rank
-    salt = f"{group}/{rank if salted else 0}:" if group or salted else ""
+    group, and for the ``"salted"`` and ``"mamba"`` shapes on the rank (see the
+    module's shapes)."""
+    own = rank if shape in ("salted", "mamba") else 0  # the rank whose bytes these are
+    salt = f"{group}/{own}:" if group or own else ""
     digest = hashlib.blake2b((salt + repr(tokens[: position + 1])).encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest, "big") & ((1 << 63) - 1))
     if shape == "mla":
