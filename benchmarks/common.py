@@ -74,9 +74,12 @@ async def cascade(manager: TieringOffloadingManager, keys: Sequence[OffloadKey],
     started = time.perf_counter()
     for first in range(0, len(keys), job):
         batch, req = list(keys[first : first + job]), ReqContext(f"w{first}")
-        while (out := manager.prepare_store(batch, req)) is None:
+        while True:
+            mark = manager.host.completion_mark
+            if (out := manager.prepare_store(batch, req)) is not None:
+                break
             manager.on_schedule_end()
-            await manager.wait_for_completions()
+            await manager.wait_for_completions(since=mark)
         manager.complete_store(out.keys_to_store, req)
         manager.on_request_finished(req)
     await manager.drain()
@@ -107,13 +110,14 @@ async def promote(
             batch, req = keys[first : first + job], ReqContext(f"{tag}{first}")
             submitted = time.perf_counter()
             while True:
+                mark = manager.host.completion_mark
                 results = [manager.lookup(key, req) for key in batch]
                 if results.count(LookupResult.HIT) == len(batch):
                     break
                 if strict and LookupResult.MISS in results:
                     raise RuntimeError(f"promotion of chunks {first}.. missed")
                 manager.on_schedule_end()
-                await manager.wait_for_completions()
+                await manager.wait_for_completions(since=mark)
             latencies.append(time.perf_counter() - submitted)
             manager.on_request_finished(req)
 

@@ -226,6 +226,7 @@ class Scheduler:
         # Two groups of blocks: the next request's copy may start while one finishes.
         free = deque(range(self.in_flight, self.in_flight + 2))
         while pending or len(free) < 2:
+            mark = manager.host.completion_mark
             progressed = self._take_copies(free)
             if pending and free:
                 index, keys = pending[0]
@@ -241,9 +242,12 @@ class Scheduler:
                         self._send(True, req, list(out.keys_to_store), blocks, chunk_ids, group)
                     else:
                         manager.on_request_finished(req)
-            self._end_step(progressed)
-        while manager.has_pending_work():
-            self._end_step(False)
+            self._end_step(progressed, mark)
+        while True:
+            mark = manager.host.completion_mark
+            if not manager.has_pending_work():
+                break
+            self._end_step(False, mark)
         os.sync()
         return time.perf_counter() - started
 
@@ -256,6 +260,7 @@ class Scheduler:
         waiting: list[Waiting] = []
         lookup = manager.lookup
         while pending or waiting or len(free) < self.in_flight:
+            mark = manager.host.completion_mark
             progressed = self._take_copies(free)
             while pending and free:
                 index, keys = pending.popleft()
@@ -288,7 +293,7 @@ class Scheduler:
                     )
                 still.append(entry)
             waiting = still
-            self._end_step(progressed)
+            self._end_step(progressed, mark)
         return time.perf_counter() - started
 
     def _send(
@@ -325,11 +330,13 @@ class Scheduler:
             manager.on_request_finished(copy.req)
             free.append(copy.group)
 
-    def _end_step(self, progressed: bool) -> None:
+    def _end_step(self, progressed: bool, mark: int) -> None:
+        """End the step; one that moved nothing waits for a completion after ``mark``
+        (read as the step began), at most the idle time."""
         self.manager.on_schedule_end()
         self.figures.steps += 1
         if not progressed:
-            self.manager.host.wait_for_completions_blocking(self.idle_s)
+            self.manager.host.wait_for_completions_blocking(self.idle_s, since=mark)
 
 
 # ----------------------------------------------------------------------- the run

@@ -473,9 +473,11 @@ class Engine:
         with self.kvtier.lock:
             return bool(primary.num_free + primary.num_evictable >= chunks)
 
-    def idle(self, seconds: float) -> None:
+    def idle(self, seconds: float, since: int) -> None:
+        """Wait for kvtier to complete something after the mark ``since`` (read as the
+        step began), at most ``seconds``."""
         started = time.perf_counter()
-        self.kvtier.host.wait_for_completions_blocking(seconds)
+        self.kvtier.host.wait_for_completions_blocking(seconds, since=since)
         self.times.setdefault(self.phase, StepTimes()).idle_s += time.perf_counter() - started
 
     def close(self) -> None:
@@ -555,6 +557,7 @@ def store_all(engine: Engine, texts: Sequence[list[int]], idle_s: float) -> floa
     sent = 0
     unscheduled: list[str] = []
     while sent < len(texts) or scheduler.has_requests():
+        mark = engine.kvtier.host.completion_mark
         unscheduled = [
             req_id
             for req_id in unscheduled
@@ -570,7 +573,7 @@ def store_all(engine: Engine, texts: Sequence[list[int]], idle_s: float) -> floa
             sent += 1
         _, _, moved = engine.step()
         if not (moved or added):
-            engine.idle(idle_s)
+            engine.idle(idle_s, mark)
     os.sync()
     return time.perf_counter() - started
 
@@ -598,6 +601,7 @@ def load_all(
             engine.add(req_id, tokens)
             admitted[req_id] = time.perf_counter()
         step_started = time.perf_counter()
+        mark = engine.kvtier.host.completion_mark
         _, finished, moved = engine.step()
         for req_id in finished:
             del admitted[req_id]
@@ -618,7 +622,7 @@ def load_all(
             else:  # every chunk was readable at its first lookup
                 figures.resident_requests += 1
         if not moved:
-            engine.idle(idle_s)
+            engine.idle(idle_s, mark)
     figures.recomputed_blocks = sum(
         job_chunks - count for req_id, count in engine.loaded.items() if req_id.startswith("load-")
     )

@@ -330,7 +330,7 @@ class KVTier(AsyncResource):
             if remaining is not None:
                 ends = time.monotonic() + remaining
                 bounded = ends if deadline is None else min(deadline, ends)
-            waited = await self._wait(bounded)
+            waited = await self._wait(bounded, found.mark)
             if request.ended:
                 return 0  # finished meanwhile: its pins are gone
             if self._fence.raised:
@@ -351,9 +351,10 @@ class KVTier(AsyncResource):
         manager.on_schedule_end()
         return hits
 
-    async def _wait(self, deadline: float | None) -> bool:
-        """Wait for the next completion; False past the deadline or once fenced."""
-        if not await self._fenced_wait(self.manager.wait_for_completions(), deadline):
+    async def _wait(self, deadline: float | None, since: int) -> bool:
+        """Wait for a completion after the mark ``since``; False past the deadline or
+        once fenced."""
+        if not await self._fenced_wait(self.manager.wait_for_completions(since), deadline):
             return False
         if self._fence.raised:
             return False
@@ -465,8 +466,13 @@ class KVTier(AsyncResource):
         self, keys: list[OffloadKey], gpu_ids: list[int], req: ReqContext, deadline: float | None
     ) -> int | None:
         manager, worker = self.manager, self.worker
-        while (out := manager.prepare_store(keys, req)) is None:
-            if not (self._copies or manager.has_pending_work()) or not await self._wait(deadline):
+        while True:
+            mark = manager.host.completion_mark
+            if (out := manager.prepare_store(keys, req)) is not None:
+                break
+            if not (self._copies or manager.has_pending_work()):
+                return None
+            if not await self._wait(deadline, mark):
                 return None
         if not out.keys_to_store:
             return 0

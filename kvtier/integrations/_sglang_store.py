@@ -317,9 +317,10 @@ class PageStore(BlockingResource):
             manager = self.manager
             while True:
                 with manager.lock:
+                    mark = manager.host.completion_mark
                     found, asking = self._scan(keys, req)
                     manager.on_schedule_end()
-                if not asking or not self._wait(deadline):
+                if not asking or not self._wait(deadline, mark):
                     break
             self._count(queried=len(keys), found=found)
             if found == 0:
@@ -377,6 +378,7 @@ class PageStore(BlockingResource):
             try:
                 while True:
                     with manager.lock:
+                        mark = manager.host.completion_mark
                         ready, waiting = self._ready(keys, done, req)
                         manager.on_schedule_end()
                     if ready:
@@ -386,7 +388,7 @@ class PageStore(BlockingResource):
                                 done[index] = True
                         finally:
                             manager.complete_load([keys[index] for index, _ in ready], req)
-                    if not waiting or not self._wait(deadline):
+                    if not waiting or not self._wait(deadline, mark):
                         break
             finally:
                 self._end_load(req, session, keys)
@@ -483,8 +485,11 @@ class PageStore(BlockingResource):
         """Store one batch; the pages newly written, or None if it found no room."""
         manager = self.manager
         batch = [keys[i] for i in part]
-        while (out := manager.prepare_store(batch, req)) is None:
-            if not self._room_may_come() or not self._wait(deadline):
+        while True:
+            mark = manager.host.completion_mark
+            if (out := manager.prepare_store(batch, req)) is not None:
+                break
+            if not self._room_may_come() or not self._wait(deadline, mark):
                 return None
             self._expire_sessions()
         if not out.keys_to_store:
@@ -578,12 +583,13 @@ class PageStore(BlockingResource):
         keeping promoted slots for its load."""
         return self.manager.has_pending_work() or self._gate.active > 1 or bool(self._sessions)
 
-    def _wait(self, deadline: float) -> bool:
-        """Wait for tier work to finish, at most until ``deadline``; False once past it."""
+    def _wait(self, deadline: float, since: int) -> bool:
+        """Wait for tier work to finish after the completion mark ``since``, at most
+        until ``deadline``; False once past it."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        self.manager.host.wait_for_completions_blocking(min(remaining, _WAIT_SLICE_S))
+        self.manager.host.wait_for_completions_blocking(min(remaining, _WAIT_SLICE_S), since)
         return time.monotonic() < deadline
 
     def _check_pages(self, keys: Sequence[OffloadKey], pages: Sequence[Sequence[Segment]]) -> None:

@@ -79,14 +79,15 @@ class CompletionQueue:
         with self._cond:
             self._cond.wait_for(lambda: self.seq != seq, timeout)
 
-    async def wait_for_any(self) -> None:
-        """Resolve once something completes: at once if an outcome is queued."""
-        seq = self.seq
+    async def wait_for_any(self, since: int | None = None) -> None:
+        """Resolve once something completes after :attr:`seq` read ``since`` (None:
+        now): at once if an outcome is queued."""
+        seq = self.seq if since is None else since
         if not self.pending:
             await self.wait(seq)
 
-    def wait_for_any_blocking(self, timeout: float | None = None) -> None:
-        seq = self.seq
+    def wait_for_any_blocking(self, timeout: float | None = None, since: int | None = None) -> None:
+        seq = self.seq if since is None else since
         if not self.pending:
             self.wait_blocking(seq, timeout)
 

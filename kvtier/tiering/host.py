@@ -117,6 +117,7 @@ class HostAccess:
         ``keys``.
         """
         with self._lock:
+            mark = self._completions.seq
             self._poll()
             req_id = req.req_id
             holder = Holder.request(req_id)
@@ -135,7 +136,7 @@ class HostAccess:
                 else:
                     pending = True
             slots = self._ledger.pin_for_request(readable, req_id) if readable else []
-            return PrefixLookup(dict(zip(readable, slots, strict=True)), pending)
+            return PrefixLookup(dict(zip(readable, slots, strict=True)), pending, mark)
 
     def held(self, req: ReqContext) -> dict[OffloadKey, int]:
         """The keys the request pins, with their slots."""
@@ -157,13 +158,24 @@ class HostAccess:
             self._poll()
             return self._primary.readable_prefix(keys)
 
-    async def wait_for_completions(self) -> None:
-        """Resolve once a job, lookup or store finished (at once if one already has)."""
-        await self._completions.wait_for_any()
+    @property
+    def completion_mark(self) -> int:
+        """How many completions so far. A host reads it before it checks what it waits
+        for and passes it to :meth:`wait_for_completions` as ``since``: a completion
+        between the check and the wait then ends the wait at once."""
+        return self._completions.seq
 
-    def wait_for_completions_blocking(self, timeout: float | None = None) -> None:
+    async def wait_for_completions(self, since: int | None = None) -> None:
+        """Resolve once a job, lookup or store finished after ``since`` (a
+        :attr:`completion_mark`; None: after this call), or at once if an outcome
+        waits to be applied."""
+        await self._completions.wait_for_any(since)
+
+    def wait_for_completions_blocking(
+        self, timeout: float | None = None, since: int | None = None
+    ) -> None:
         """:meth:`wait_for_completions` for a synchronous host's thread."""
-        self._completions.wait_for_any_blocking(timeout)
+        self._completions.wait_for_any_blocking(timeout, since)
 
     async def drain(self) -> None:
         """Send what the step queued and resolve once nothing is in flight, jobs that

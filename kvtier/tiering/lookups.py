@@ -31,6 +31,9 @@ class PrefixLookup:
     #: Whether some key before the first miss is still on its way (written, promoted,
     #: or asked of a tier): worth waiting for.
     pending: bool
+    #: :attr:`~kvtier.tiering.host.HostAccess.completion_mark` as the lookup began:
+    #: wait with it, and what completes between this answer and the wait is not missed.
+    mark: int
 
 
 class TierLookups:

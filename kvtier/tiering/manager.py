@@ -367,9 +367,11 @@ class TieringOffloadingManager(AsyncResource):
 
     # ---------------------------------------------------------- async helpers
 
-    async def wait_for_completions(self) -> None:
-        """Resolve once a job, lookup or store finished (at once if one already has)."""
-        await self.host.wait_for_completions()
+    async def wait_for_completions(self, since: int | None = None) -> None:
+        """Resolve once a job, lookup or store finished: after ``since`` (read from
+        ``host.completion_mark`` before the host checked what it waits for), or after
+        this call; at once if an outcome waits to be applied."""
+        await self.host.wait_for_completions(since)
 
     async def drain(self) -> None:
         """Send what the step queued, resolve once nothing is in flight, flush the metrics."""

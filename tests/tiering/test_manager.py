@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from helpers import keys, scripted
@@ -52,6 +53,28 @@ async def test_unknown_keys_answer_retry_then_are_asked_in_one_batch_per_step(en
         assert tier.lookup_calls == [tuple(ks)]
         assert [manager.lookup(k, req) for k in ks] == [MISS] * 3
         assert len(tier.lookup_calls) == 1  # answers are kept for the request
+
+
+async def test_a_wait_from_a_mark_ends_for_a_completion_applied_before_it_began(engine_id):
+    async with opened(engine_id, [scripted("marked")], chunks=4) as manager:
+        [key] = keys("marked", 1)
+        req = ReqContext("r")
+        mark = manager.host.completion_mark
+        assert manager.lookup(key, req) is RETRY
+        manager.on_schedule_end()
+        await settle(manager)  # the tier answered, and its answer is applied
+        # A host that checked before the answer came and waits only now: from the
+        # mark it read before checking, its wait ends at once, blocking or not.
+        await asyncio.wait_for(manager.wait_for_completions(since=mark), 10)
+        started = time.monotonic()
+        manager.host.wait_for_completions_blocking(30, since=mark)
+        assert time.monotonic() - started < 20
+        # Without the mark the same wait sees nothing new and goes on waiting.
+        waiter = asyncio.ensure_future(manager.wait_for_completions())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        waiter.cancel()
+        manager.on_request_finished(req)
 
 
 async def test_a_key_is_promoted_once_when_two_requests_ask_in_one_step(engine_id):
