@@ -527,11 +527,33 @@ class KVTier(AsyncResource):
         """
         self._check_open()
         async with self._fence.fenced():
-            self._check_open()
-            await self._copies.wait()
-            for req_id in list(self._requests):
-                self._end(req_id)
-            await self.manager.areset_cache()
+            await self._reset()
+
+    async def clear(self) -> list[str]:
+        """Drop every chunk: empty the primary tier as :meth:`reset` does, then ask each
+        secondary tier to delete what it holds for this namespace (an fs tier's files,
+        an s3 tier's objects; a p2p tier holds none of its own, and its peers keep
+        theirs). Other engines sharing a directory or bucket lose those chunks too.
+
+        Returns:
+            The labels of the tiers that kept chunks: a tier that cannot clear (a
+            plugin without :meth:`~kvtier.SecondaryTier.clear`), failed to, or ran
+            past its job timeout. Empty when everything is gone.
+
+        Raises:
+            KVTierError: the facade is closed.
+        """
+        self._check_open()
+        async with self._fence.fenced():
+            await self._reset()
+            return await self.manager.aclear_tiers()
+
+    async def _reset(self) -> None:
+        self._check_open()
+        await self._copies.wait()
+        for req_id in list(self._requests):
+            self._end(req_id)
+        await self.manager.areset_cache()
 
     async def drain(self) -> None:
         """Wait for every copy this facade started and every cascade and promotion.

@@ -245,6 +245,9 @@ class TierContract:
     #: holds the far end (a proxy) may still say "holding" for a moment after the tier
     #: let go, so the stalled tests only require the quarantine metrics to exist.
     stops_io_when_cancelled: ClassVar[bool] = False
+    #: False for a tier without :meth:`~kvtier.SecondaryTier.clear`: asked to clear,
+    #: it must keep every chunk and say so.
+    clears: ClassVar[bool] = True
 
     #: What hooks open for one test (servers, proxies): closed after its nodes.
     resources: contextlib.AsyncExitStack
@@ -445,6 +448,18 @@ class TierContract:
                 raise AssertionError(f"the reader's tier never found {len(keys)} stored chunk(s)")
             await anyio.sleep(_POLL_S)
 
+    async def _invisible(self, node: _Node, keys: Sequence[OffloadKey]) -> None:
+        """Wait until ``node``'s tier finds none of ``keys`` (another node's removals,
+        withdrawals and cached answers reach it in their own time)."""
+        tier = node.tier
+        deadline = time.monotonic() + _WAIT_S
+        while any(await tier.lookup(keys)):
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the reader's tier still finds cleared chunks after {_WAIT_S:g} s"
+                )
+            await anyio.sleep(_POLL_S)
+
     async def _read_back(
         self,
         nodes: _Nodes,
@@ -534,6 +549,35 @@ class TierContract:
                 assert await reader.lookup(mixed, "mixed", timeout=self.lookup_timeout_s) == 1
             reader.finish("absent")
             reader.finish("mixed")
+
+    @pytest.mark.anyio
+    async def test_clear_drops_every_chunk(self) -> None:
+        """Asked to clear, the tier drops every chunk it stored and no node finds them
+        any more; it stores as before after. A tier that cannot clear keeps them all
+        and says so."""
+        async with self._nodes() as nodes:
+            keys = self.keys("cleared", 3)
+            await self._put(nodes, nodes.writer, keys)
+            await self._visible(nodes.reader, keys)
+            writer = nodes.writer.kv
+            kept = await writer.clear()
+            assert writer.manager.primary.num_stored == 0
+            if not self.clears:
+                assert kept == [nodes.writer.tier.ctx.tier_name]
+                assert all(await nodes.reader.tier.lookup(keys))
+                return
+            assert kept == []
+            await self._invisible(nodes.reader, keys)
+            reader = nodes.reader.kv
+            with anyio.fail_after(_WAIT_S):
+                assert await reader.lookup(keys, "cleared", timeout=self.lookup_timeout_s) == 0
+            reader.finish("cleared")
+            # What is stored after a clear is kept as ever.
+            again = self.keys("after-clear", 2)
+            await self._put(nodes, nodes.writer, again)
+            await self._empty_primary(nodes)
+            await self._visible(nodes.reader, again)
+            await self._load_all(nodes, nodes.reader, again)
 
     @pytest.mark.anyio
     async def test_a_corrupt_chunk_is_a_counted_miss_and_removed(self) -> None:

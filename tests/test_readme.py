@@ -138,7 +138,7 @@ def test_the_tier_contract_example_runs_under_pytest_as_written(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     # The example tier has no damage, stall or capacity hooks: those tests skip.
-    assert re.search(r"\b5 passed, 5 skipped\b", result.stdout), result.stdout
+    assert re.search(r"\b6 passed, 5 skipped\b", result.stdout), result.stdout
 
 
 def test_an_opted_out_block_is_not_run(tmp_path, monkeypatch):

@@ -268,14 +268,16 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # ------------------------------------------------------------- control
 
     def clear(self) -> bool:
-        """Empty kvtier's primary tier. The secondary tiers keep their chunks (delete an
-        fs tier's ``root_dir`` or an s3 tier's ``prefix`` to drop them)."""
-        store = self._store()
-        store.reset()
-        logger.warning(
-            "kvtier HiCache storage: the primary tier is cleared; secondary tiers keep their chunks"
-        )
-        return True
+        """Drop every page stored: the primary tier is emptied and each secondary tier
+        deletes the chunks of this backend's namespace (an fs tier's files, an s3 tier's
+        objects; a p2p tier holds none of its own). False if a tier kept some."""
+        kept = self._store().clear()
+        if kept:
+            logger.warning(
+                "kvtier HiCache storage: tier(s) %s kept their chunks when asked to clear",
+                ", ".join(kept),
+            )
+        return not kept
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` for the calls since the last one (pages per call

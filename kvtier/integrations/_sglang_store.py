@@ -661,6 +661,16 @@ class PageStore(BlockingResource):
             self._end_sessions()
             self.manager.reset_cache()
 
+    def clear(self) -> list[str]:
+        """Empty the primary tier, then ask every secondary tier to drop its chunks;
+        the labels of the tiers that kept some. Waits as :meth:`reset` does."""
+        with self._gate.fenced() as open_:
+            if not open_:
+                return []
+            self._end_sessions()
+            self.manager.reset_cache()
+            return self.manager.clear_tiers()
+
     def close(self) -> None:
         """Let the calls in flight end, then drain and close the tiers and the region.
 

@@ -141,5 +141,5 @@ class TierLookups:
         self._queued = []
 
     def clear_answers(self) -> None:
-        """Forget every kept answer (the primary tier was reset)."""
+        """Forget every kept answer (the primary tier was reset, or the tier cleared)."""
         self._answers.clear()

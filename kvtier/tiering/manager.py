@@ -418,6 +418,23 @@ class TieringOffloadingManager(AsyncResource):
                 state.lookups.clear_answers()
             self._deadlines.clear()
 
+    def clear_tiers(self) -> list[str]:
+        """Ask every secondary tier to drop the chunks it holds, once no job or lookup
+        is in flight; the labels of those that kept some (a tier that cannot clear,
+        failed to, or ran past its job timeout). The primary tier is left alone
+        (:meth:`reset_cache` empties it). Blocks: an async host awaits
+        :meth:`aclear_tiers`."""
+        return self._life.block_on(self.aclear_tiers)
+
+    async def aclear_tiers(self) -> list[str]:
+        """:meth:`clear_tiers` for an async host."""
+        await self.host.settle(include_tier_pins=False, include_late=False)
+        kept = [state.label for state in self._tiers if not await state.runner.clear()]
+        with self.lock:
+            for state in self._tiers:
+                state.lookups.clear_answers()
+        return kept
+
     def on_reset_flushed(self) -> None:
         """The host's copies in flight at the last reset have ended: reuse their slots."""
         with self.lock:

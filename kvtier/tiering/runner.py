@@ -223,6 +223,25 @@ class TierRunner(AsyncResource):
             return None
         return answers
 
+    async def clear(self) -> bool:
+        """Ask the tier to drop every chunk it holds, within the job timeout; whether
+        it did (a tier that cannot, fails or runs out of time did not)."""
+        await self._ready.wait()
+        if self._broken:
+            return False
+        limit = self.settings.job_timeout_s
+        finished, cleared, _, _ = await self._bounded(self._clear(), limit)
+        if not finished:
+            self._failures.warning("clear timeout", "clearing timed out after %g s", limit)
+        return bool(cleared)
+
+    async def _clear(self) -> bool:
+        try:
+            return bool(await self.tier.clear())
+        except Exception as exc:
+            self._failures.warning("clear failure", "clearing failed", exc_info=exc)
+            return False
+
     async def _bounded(
         self, coro: Coroutine[Any, Any, _T], limit_s: float
     ) -> tuple[bool, _T | None, asyncio.Task[_T | None], anyio.CancelScope]:

@@ -305,6 +305,16 @@ class SecondaryTier(AsyncResource):
         """Store and removal events of this tier since the last call."""
         return []
 
+    async def clear(self) -> bool:
+        """Drop every chunk this tier holds for its namespace; whether it did.
+
+        Runs when the host asks for all of its cache to go (SGLang's clear-storage
+        request), once no job of this tier is in flight, bounded by ``job_timeout_s``.
+        Removals are reported through :meth:`take_events`. The default keeps everything
+        and answers False: a tier that cannot drop its chunks says so.
+        """
+        return False
+
     async def aclose(self) -> None:
         """Release connections and files. Jobs have drained when this is called.
 

@@ -97,6 +97,12 @@ class ExampleTier(SecondaryTier):
     def take_events(self) -> list[OffloadingEvent]:
         return self._events.take()
 
+    async def clear(self) -> bool:
+        if self._chunks:
+            self._events.add(list(self._chunks), self.medium, True, self.ctx.tier_name)
+            self._chunks.clear()
+        return True
+
     def forget(self, key: OffloadKey) -> None:
         """Drop one chunk (tests use this to make a tier lose data)."""
         if self._chunks.pop(key, None) is not None:

@@ -536,6 +536,22 @@ class FileSystemTier(SecondaryTier):
     async def _remove(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         return await anyio.to_thread.run_sync(self._unlink_all, keys)
 
+    async def clear(self) -> bool:
+        """Remove every chunk file of the namespace directory, indexed or not (engines
+        sharing the directory lose them too)."""
+        await self._scan_done.wait()  # a scan still running would index them again
+        try:
+            listed = await anyio.to_thread.run_sync(self._list_files)
+        except OSError as exc:
+            self._log.warning("clear", "listing %s failed: %s", self.directory, describe_error(exc))
+            return False
+        with self._index_lock:
+            keys = set(self._index)
+        keys.update(key for key, _, _ in listed)
+        gone = await self._remove(list(keys))
+        self._forget(gone)
+        return len(gone) == len(keys)
+
     # ------------------------------------------------------------------ loads
 
     async def load(self, job: TransferJob) -> JobResult:

@@ -26,6 +26,8 @@ def late_tier(node: KVTier) -> LateThreadTier:
 
 
 class TestLateThreadPluginContract(TierContract):
+    clears = False  # the plugin has no clear(): it keeps its chunks
+
     async def tier_config(self) -> Mapping[str, Any]:
         return {"type": "LateThreadTier", "module_path": "late_tier"}
 

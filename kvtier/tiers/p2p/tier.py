@@ -278,6 +278,11 @@ class PeerTier(SecondaryTier):
     def take_events(self) -> list[OffloadingEvent]:
         return self._events.take()
 
+    async def clear(self) -> bool:
+        # This node's chunks are its primary tier's (emptying that withdraws them);
+        # the chunks read from peers are theirs to keep.
+        return True
+
     async def load(self, job: TransferJob) -> JobResult:
         view = self.ctx.primary_view
         views = [view[chunk_id] for chunk_id in job.chunk_ids]

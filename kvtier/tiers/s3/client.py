@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import random
 import time
@@ -328,6 +329,21 @@ class S3Client(AsyncResource):
             if await body.read(1):
                 return "oversize object"
         return None
+
+    async def list_names(self, prefix: str, deadline: float) -> list[str]:
+        """The names of every object under ``prefix``, all pages of the listing."""
+        names: list[str] = []
+        request: dict[str, str] = {"Bucket": self.settings.bucket, "Prefix": prefix}
+        while True:
+            response = await self.call(deadline, functools.partial(self._list_page, dict(request)))
+            names.extend(item["Key"] for item in response.get("Contents", ()))
+            token = response.get("NextContinuationToken")
+            if not response.get("IsTruncated") or not token:
+                return names
+            request["ContinuationToken"] = token
+
+    async def _list_page(self, request: dict[str, str]) -> Any:
+        return await self._client.list_objects_v2(**request)
 
     async def delete(self, name: str, deadline: float) -> None:
         await self.call(

@@ -40,7 +40,14 @@ import anyio.to_thread
 from aiobotocore.session import AioSession
 
 from kvtier._logs import ThrottledLog, describe_error
-from kvtier.format import HEADER_BYTES, MISSING, ChunkFormat, chunk_name, namespace_directory
+from kvtier.format import (
+    HEADER_BYTES,
+    MISSING,
+    ChunkFormat,
+    chunk_name,
+    key_of,
+    namespace_directory,
+)
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, MetricDefinition
 from kvtier.records import EventLog, Medium, OffloadingEvent
@@ -392,6 +399,16 @@ class S3Tier(SecondaryTier):
         ]
         self._events.add(deleted, self.medium, True, self.ctx.tier_name)
         return deleted
+
+    async def clear(self) -> bool:
+        """Delete every chunk object under the namespace's prefix (engines sharing the
+        bucket and prefix lose them too)."""
+        deadline = self.client.deadline()
+        names = await self.client.list_names(f"{self.directory}/", deadline)
+        keys = [key for name in names if (key := key_of(name.rpartition("/")[2])) is not None]
+        deleted = await self._delete(keys, deadline)
+        self.forget_answers()
+        return len(deleted) == len(keys)
 
     # ------------------------------------------------------------------ misc
 

@@ -3,6 +3,7 @@ clear and close, and what the backend refuses while SGLang attaches it."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,11 +121,37 @@ def test_storage_metrics_report_each_call(hosts, backends, tokens_of):
     assert (again.prefetch_pgs, again.backup_pgs) == ([], [])
 
 
-def test_clear_empties_the_primary_tier_and_keeps_the_fs_tier(hosts, tokens_of, tmp_path):
+def test_clear_drops_the_pages_of_every_tier(hosts, tokens_of, tmp_path):
     host = open_host(hosts, fs_config(tmp_path))
     tokens = tokens_of(4, host.geometry.page_tokens)
     host.backup(tokens)
+    manager = host.backend.page_store.manager
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.rglob("*.kvt"))) < len(tokens) // host.geometry.page_tokens:
+        assert time.monotonic() < deadline, "the pages never reached the fs tier"
+        manager.host.wait_for_completions_blocking(0.05)
     assert host.controller.clear_storage_backend()
+    assert host.backend.page_store.manager.primary.num_stored == 0
+    assert not list(tmp_path.rglob("*.kvt"))
+    assert host.prefetch(tokens)[:2] == (0, 0)
+    host.close()
+    hosts.remove(host)
+    # A restart on the same root finds nothing either, and stores as before.
+    restarted = open_host(hosts, fs_config(tmp_path))
+    assert restarted.prefetch(tokens)[:2] == (0, 0)
+    assert restarted.backup(tokens) == len(tokens)
+
+
+def test_clear_says_so_when_a_tier_keeps_its_pages(hosts, tokens_of, tmp_path):
+    kvtier = {
+        "cpu_bytes_to_use": 4 * MIB,
+        "secondary_tiers": [{"type": "LateThreadTier", "module_path": "late_tier"}],
+    }
+    host = open_host(hosts, kvtier)
+    tokens = tokens_of(3, host.geometry.page_tokens)
+    host.backup(tokens)
+    # SGLang's controller answers True whatever the backend says; the backend does not.
+    assert host.backend.clear() is False
     assert host.backend.page_store.manager.primary.num_stored == 0
     _, completed, indices = host.prefetch(tokens, scribble=True)
     assert completed == len(tokens)
