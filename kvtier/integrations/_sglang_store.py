@@ -375,11 +375,12 @@ class PageStore(BlockingResource):
             req, session = self._request_for(keys[0])
             manager = self.manager
             rows = self._rows
+            whole = True
             try:
                 while True:
                     with manager.lock:
                         mark = manager.host.completion_mark
-                        ready, waiting = self._ready(keys, done, req)
+                        ready, waiting, whole = self._ready(keys, done, req, whole)
                         manager.on_schedule_end()
                     if ready:
                         try:
@@ -401,17 +402,21 @@ class PageStore(BlockingResource):
             return done
 
     def _ready(
-        self, keys: Sequence[OffloadKey], done: list[bool], req: ReqContext
-    ) -> tuple[list[tuple[int, int]], bool]:
-        """Pin the keys readable now (under the lock): their (index, slot), and whether
-        a key before the first miss is still on its way.
+        self, keys: Sequence[OffloadKey], done: list[bool], req: ReqContext, whole: bool
+    ) -> tuple[list[tuple[int, int]], bool, bool]:
+        """Pin the keys readable now (under the lock): their (index, slot), whether a
+        key before the first miss is still on its way, and whether the next look must
+        be ``whole``.
 
-        Every look asks about every key up to the first miss: a key a tier has just
-        said it holds starts its promotion only when it is looked up again.
+        A ``whole`` look (a load's first) asks about every key up to the first miss: a
+        key a tier has just said it holds starts its promotion only when it is looked
+        up again, so while a tier is still being asked the next look is whole too.
+        Otherwise every promotion is running, and a look stops at the first key still
+        on its way: the keys after it count only once it has arrived.
         """
         manager = self.manager
         readable: list[int] = []
-        waiting = False
+        waiting = asking = False
         for index, key in enumerate(keys):
             if done[index]:
                 continue
@@ -422,10 +427,14 @@ class PageStore(BlockingResource):
                 break
             else:
                 waiting = True
+                asking = asking or result is _RETRY
+                if not whole:
+                    break
         if not readable:
-            return [], waiting
+            return [], waiting, asking
         slots = manager.prepare_load([keys[i] for i in readable], req).chunk_ids
-        return list(zip(readable, (int(slot) for slot in slots), strict=True)), waiting
+        ready = list(zip(readable, (int(slot) for slot in slots), strict=True))
+        return ready, waiting, asking
 
     # --------------------------------------------------------------- stores
 

@@ -57,6 +57,7 @@ from kvtier.format import (
     TEMP_SUFFIX,
     ChunkFormat,
     NamespaceDescription,
+    chunk_name,
     chunk_path,
     key_of,
     namespace_directory,
@@ -218,6 +219,7 @@ class FileSystemTier(SecondaryTier):
         self.directory = self.settings.root_dir.expanduser() / namespace_directory(
             ctx.model_name, self._format
         )
+        self._root = str(self.directory)
         #: Whether files are written and read with O_DIRECT: decided at start.
         self.o_direct = False
         self._index: OrderedDict[OffloadKey, int] = OrderedDict()
@@ -403,7 +405,7 @@ class FileSystemTier(SecondaryTier):
         return [size is not None for size in sizes]
 
     def _stat_all(self, keys: Sequence[OffloadKey]) -> list[int | None]:
-        return [size_of(self.path_of(key)) for key in keys]
+        return [size_of("/".join(self._file_of(key))) for key in keys]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         with self._index_lock:
@@ -415,6 +417,12 @@ class FileSystemTier(SecondaryTier):
     def path_of(self, key: OffloadKey) -> Path:
         """The file of ``key``'s chunk."""
         return self.directory / chunk_path(key)
+
+    def _file_of(self, key: OffloadKey) -> tuple[str, str]:
+        """:meth:`path_of` as the strings the I/O threads use: the chunk file's
+        directory and name (a ``Path`` costs several microseconds a chunk to build)."""
+        name = chunk_name(key)
+        return f"{self._root}/{name[:2]}", name
 
     # ----------------------------------------------------------------- stores
 
@@ -461,8 +469,9 @@ class FileSystemTier(SecondaryTier):
         """Write one chunk file; on any error no file of it is left. Runs in a thread."""
         if len(key) > MAX_KEY_BYTES:
             raise OSError(errno.ENAMETOOLONG, f"key of {len(key)} bytes is too long to store")
-        final = self.path_of(key)
-        tmp = final.with_name(temp_name(final.name))
+        directory, name = self._file_of(key)
+        final = f"{directory}/{name}"
+        tmp = f"{directory}/{temp_name(name)}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         if self.o_direct:
             flags |= _O_DIRECT
@@ -471,7 +480,7 @@ class FileSystemTier(SecondaryTier):
         try:
             fd = os.open(tmp, flags, 0o644)
         except FileNotFoundError:
-            os.makedirs(final.parent, exist_ok=True)
+            os.makedirs(directory, exist_ok=True)
             fd = os.open(tmp, flags, 0o644)
         total = HEADER_BYTES + len(row)
         try:
@@ -525,7 +534,7 @@ class FileSystemTier(SecondaryTier):
         gone = []
         for key in keys:
             try:
-                os.unlink(self.path_of(key))
+                os.unlink("/".join(self._file_of(key)))
             except FileNotFoundError:
                 pass
             except OSError:
@@ -577,7 +586,7 @@ class FileSystemTier(SecondaryTier):
 
         Runs in a thread.
         """
-        path = self.path_of(key)
+        path = "/".join(self._file_of(key))
         expected = HEADER_BYTES + len(row)
         try:
             stat, got, header = self._read_into(path, row, expected, self.o_direct)
@@ -595,7 +604,7 @@ class FileSystemTier(SecondaryTier):
 
     @staticmethod
     def _read_into(
-        path: Path, row: memoryview, expected: int, direct: bool
+        path: str, row: memoryview, expected: int, direct: bool
     ) -> tuple[os.stat_result, int, mmap.mmap | bytearray]:
         """Read a chunk file's header and payload (into ``row``); its status, the bytes
         read and the header.
