@@ -160,6 +160,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON here")
     parser.add_argument(
+        "--tier-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a parameter of kvtier's fs tier (JSON value), e.g. write_depth=4; repeatable "
+        "(the table is then no longer at kvtier's defaults)",
+    )
+    parser.add_argument(
         "--sides",
         type=lambda text: [side for side in SIDES if side in text.split(",")],
         default=list(SIDES),
@@ -279,6 +287,8 @@ class Side:
 
     def __init__(self, args: argparse.Namespace, tier_root: Path) -> None:
         tier = {"type": "fs", "root_dir": str(tier_root)}
+        if self.name == "kvtier":
+            tier.update(common.tier_options(args.tier_option))
         primary = int(args.primary_gib * common.GIB)
         self.spec = create_spec(self.name, args.chunk_bytes, primary, [tier])
         self.manager: Any = self.spec.get_manager()
