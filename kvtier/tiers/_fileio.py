@@ -89,7 +89,7 @@ async def in_threads(
     return results
 
 
-def size_of(path: Path) -> int | None:
+def size_of(path: str | Path) -> int | None:
     """The size of the file at ``path``; None if there is none (or it cannot be seen)."""
     try:
         return os.stat(path).st_size
