@@ -330,10 +330,15 @@ class S3Client(AsyncResource):
                 return "oversize object"
         return None
 
-    async def list_names(self, prefix: str, deadline: float) -> list[str]:
-        """The names of every object under ``prefix``, all pages of the listing."""
+    async def list_names(
+        self, prefix: str, deadline: float, *, page_size: int | None = None
+    ) -> list[str]:
+        """The names of every object under ``prefix``, all pages of the listing
+        (``page_size`` names a page at most; None: the server's own, 1000 on S3)."""
         names: list[str] = []
-        request: dict[str, str] = {"Bucket": self.settings.bucket, "Prefix": prefix}
+        request: dict[str, Any] = {"Bucket": self.settings.bucket, "Prefix": prefix}
+        if page_size is not None:
+            request["MaxKeys"] = page_size
         while True:
             response = await self.call(deadline, functools.partial(self._list_page, dict(request)))
             names.extend(item["Key"] for item in response.get("Contents", ()))
@@ -342,7 +347,7 @@ class S3Client(AsyncResource):
                 return names
             request["ContinuationToken"] = token
 
-    async def _list_page(self, request: dict[str, str]) -> Any:
+    async def _list_page(self, request: dict[str, Any]) -> Any:
         return await self._client.list_objects_v2(**request)
 
     async def delete(self, name: str, deadline: float) -> None:

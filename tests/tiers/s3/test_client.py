@@ -277,3 +277,14 @@ async def test_closing_twice_is_harmless_and_a_closed_client_sends_nothing(moto,
     await client.aclose()
     with pytest.raises(RuntimeError, match="not open"):
         await client.head("a.kvt", client.deadline())
+
+
+async def test_a_listing_goes_through_every_page(client, moto, bucket):
+    names = [f"listed/{i:02d}.kvt" for i in range(7)]
+    for name in names:
+        await put_object(moto.endpoint, bucket, name, b"x")
+    await put_object(moto.endpoint, bucket, "elsewhere/00.kvt", b"x")
+    deadline = client.deadline()
+    assert sorted(await client.list_names("listed/", deadline, page_size=2)) == names
+    assert sorted(await client.list_names("listed/", deadline)) == names
+    assert await client.list_names("nothing/", deadline) == []
