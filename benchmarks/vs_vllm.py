@@ -286,12 +286,14 @@ class Side:
     name = ""
 
     def __init__(self, args: argparse.Namespace, tier_root: Path) -> None:
-        tier = {"type": "fs", "root_dir": str(tier_root)}
-        if self.name == "kvtier":
-            tier.update(common.tier_options(args.tier_option))
         primary = int(args.primary_gib * common.GIB)
+        tier = self.fs_tier(args, tier_root)
         self.spec = create_spec(self.name, args.chunk_bytes, primary, [tier])
         self.manager: Any = self.spec.get_manager()
+
+    def fs_tier(self, args: argparse.Namespace, tier_root: Path) -> dict[str, Any]:
+        """The side's fs tier: at its defaults."""
+        return {"type": "fs", "root_dir": str(tier_root)}
 
     def row(self, slot: int) -> memoryview:
         """The primary tier's row ``slot``, writable."""
@@ -360,6 +362,10 @@ class KvtierSide(Side):
     """kvtier's ``KVTierOffloadingSpec``: rows of kvtier's region, handed out one by one."""
 
     name = "kvtier"
+
+    def fs_tier(self, args: argparse.Namespace, tier_root: Path) -> dict[str, Any]:
+        """At its defaults, but for what ``--tier-option`` sets."""
+        return {**super().fs_tier(args, tier_root), **common.tier_options(args.tier_option)}
 
     def __init__(self, args: argparse.Namespace, tier_root: Path) -> None:
         super().__init__(args, tier_root)

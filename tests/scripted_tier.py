@@ -43,6 +43,9 @@ class ScriptedTier(SecondaryTier):
         self.gate.set()
         self.fail_stores = False
         self.fail_loads = False
+        self.fail_clear = False
+        #: Whether clear() ran to its end (past the gate).
+        self.cleared = False
         self.lose_on_load: set[OffloadKey] = set()
         self.ignore_cancel = False
         self.lookup_calls: list[tuple[OffloadKey, ...]] = []
@@ -95,6 +98,15 @@ class ScriptedTier(SecondaryTier):
             view[chunk_id][:] = self.chunks[key]
             loaded.append(key)
         return JobResult(job.job_id, len(loaded) == len(job.keys), successful_keys=loaded)
+
+    async def clear(self) -> bool:
+        await self._pass_gate()
+        if self.fail_clear:
+            raise OSError(5, "scripted clear failure")
+        for key in list(self.chunks):
+            del self.chunks[key]
+        self.cleared = True
+        return True
 
     def on_request_finished(self, req_id: str) -> None:
         self.finished_requests.append(req_id)

@@ -664,21 +664,20 @@ class PageStore(BlockingResource):
         Waits for the calls in flight (each ends by its deadline) and for the tier work
         in flight; calls made meanwhile wait.
         """
-        with self._gate.fenced() as open_:
-            if not open_:
-                return
-            self._end_sessions()
-            self.manager.reset_cache()
+        self._empty(tiers=False)
 
     def clear(self) -> list[str]:
         """Empty the primary tier, then ask every secondary tier to drop its chunks;
         the labels of the tiers that kept some. Waits as :meth:`reset` does."""
+        return self._empty(tiers=True)
+
+    def _empty(self, *, tiers: bool) -> list[str]:
         with self._gate.fenced() as open_:
             if not open_:
                 return []
             self._end_sessions()
             self.manager.reset_cache()
-            return self.manager.clear_tiers()
+            return self.manager.clear_tiers() if tiers else []
 
     def close(self) -> None:
         """Let the calls in flight end, then drain and close the tiers and the region.

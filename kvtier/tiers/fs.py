@@ -405,7 +405,7 @@ class FileSystemTier(SecondaryTier):
         return [size is not None for size in sizes]
 
     def _stat_all(self, keys: Sequence[OffloadKey]) -> list[int | None]:
-        return [size_of("/".join(self._file_of(key))) for key in keys]
+        return [size_of(self._file(key)) for key in keys]
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         with self._index_lock:
@@ -423,6 +423,10 @@ class FileSystemTier(SecondaryTier):
         directory and name (a ``Path`` costs several microseconds a chunk to build)."""
         name = chunk_name(key)
         return f"{self._root}/{name[:2]}", name
+
+    def _file(self, key: OffloadKey) -> str:
+        """:meth:`path_of` as a string."""
+        return "/".join(self._file_of(key))
 
     # ----------------------------------------------------------------- stores
 
@@ -534,7 +538,7 @@ class FileSystemTier(SecondaryTier):
         gone = []
         for key in keys:
             try:
-                os.unlink("/".join(self._file_of(key)))
+                os.unlink(self._file(key))
             except FileNotFoundError:
                 pass
             except OSError:
@@ -586,7 +590,7 @@ class FileSystemTier(SecondaryTier):
 
         Runs in a thread.
         """
-        path = "/".join(self._file_of(key))
+        path = self._file(key)
         expected = HEADER_BYTES + len(row)
         try:
             stat, got, header = self._read_into(path, row, expected, self.o_direct)

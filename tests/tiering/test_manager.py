@@ -524,3 +524,34 @@ async def test_a_lookup_that_times_out_is_a_miss_counted_as_a_lookup_failure(eng
         manager.on_schedule_end()
         stats = manager.diagnostics.tier_stats()[manager.diagnostics.tier_labels[0]]
         assert (stats["queries"], stats["lookup_failures"], stats["hits"]) == (2, 1, 0)
+
+
+async def test_clearing_tiers_reports_those_that_failed_or_ran_past_their_timeout(engine_id):
+    tiers = [
+        scripted("clears"),
+        scripted("breaks"),
+        scripted("stalls", job_timeout_s=0.2, shutdown_grace_s=0.2),
+    ]
+    async with opened(engine_id, tiers, chunks=4) as manager:
+        clears, breaks, stalls = (ScriptedTier.instances[n] for n in ("clears", "breaks", "stalls"))
+        ks = keys("cleared", 2)
+        fill(manager, ks)
+        await settle(manager)
+        assert all(set(tier.chunks) == set(ks) for tier in (clears, breaks, stalls))
+        breaks.fail_clear = True
+        stalls.gate.clear()
+        started = asyncio.get_running_loop().time()
+        kept = await asyncio.wait_for(manager.aclear_tiers(), 10)
+        # The stalled clear was given up at its job timeout, not waited for.
+        assert asyncio.get_running_loop().time() - started < 5
+        assert kept == [breaks.ctx.tier_name, stalls.ctx.tier_name]
+        assert clears.chunks == {} and clears.cleared
+        assert set(breaks.chunks) == set(ks)
+        assert not stalls.cleared
+        # Let go, it ends on its own: the runner owns it until then (closing waits for it).
+        stalls.gate.set()
+        for _ in range(200):
+            if stalls.cleared:
+                break
+            await asyncio.sleep(0.01)
+        assert stalls.cleared and stalls.chunks == {}

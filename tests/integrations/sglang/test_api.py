@@ -131,7 +131,7 @@ def test_clear_drops_the_pages_of_every_tier(hosts, tokens_of, tmp_path):
         assert time.monotonic() < deadline, "the pages never reached the fs tier"
         manager.host.wait_for_completions_blocking(0.05)
     assert host.controller.clear_storage_backend()
-    assert host.backend.page_store.manager.primary.num_stored == 0
+    assert manager.primary.num_stored == 0
     assert not list(tmp_path.rglob("*.kvt"))
     assert host.prefetch(tokens)[:2] == (0, 0)
     host.close()
