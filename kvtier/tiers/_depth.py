@@ -12,8 +12,8 @@ Three parts, each usable on its own:
   :class:`IoWindow` observations; a counter update per operation, nothing allocated.
 - :class:`DepthController` decides the next depth from one window at a time. It is
   pure and deterministic (no clock, no I/O), so synthetic throughput curves test it.
-- :class:`IoDepth` ties both to the ``anyio.CapacityLimiter`` that bounds the tier's
-  threads (its ``total_tokens`` follows the controller) and to a gauge.
+- :class:`IoDepth` ties both to the direction's threads (:mod:`kvtier.tiers._threads`),
+  whose number at work follows the controller, and to a gauge.
 
 The controller climbs a hill: from the accepted depth it tries one step up; the step is
 kept while throughput grows enough for the added depth and per-operation latency grows
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import anyio
 
 from kvtier.metrics import MetricsRecorder, Names
+from kvtier.tiers._threads import IoThreads
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -197,11 +198,6 @@ class DepthController:
         #: Blown-up windows in a row.
         self._slow = 0
 
-    @property
-    def ceiling(self) -> int:
-        """The highest depth the next window may bring."""
-        return self._step_up(self.depth)
-
     def observe(self, window: IoWindow) -> int:
         """Take one window; the depth to run at from now on."""
         if (
@@ -322,7 +318,7 @@ def window_ios(depth: int) -> int:
 class IoMeter:
     """Counts of one direction's completed operations, updated from its threads.
 
-    A thread calls :meth:`run_started` before a run of operations and
+    A thread calls :meth:`run_started` before an operation (or a run of them) and
     :meth:`run_ended` after it (busy time is the union of such runs), and
     :meth:`io_done` after each operation. :meth:`take` (any thread; the tiers call it
     on their loop) closes the window.
@@ -393,11 +389,13 @@ class IoMeter:
 
 
 class IoDepth:
-    """One direction of a tier's I/O: a thread limiter whose size follows the device.
+    """One direction of a tier's I/O: threads whose number in flight follows the device.
 
-    Fixed ranges keep the limiter at their depth; adaptive ones run a
-    :class:`DepthController` on the meter's windows. ``publish`` hears every depth the
-    limiter takes, the first included (the tiers set a gauge with it).
+    The operations run on :attr:`threads` (:class:`~kvtier.tiers._threads.IoThreads`,
+    named ``name``); :attr:`limiter` bounds what else the direction sends to anyio's
+    threads (the fs tier's lookups) to the same depth. Fixed ranges keep their depth;
+    adaptive ones run a :class:`DepthController` on the meter's windows. ``publish``
+    hears every depth taken, the first included (the tiers set a gauge with it).
     """
 
     def __init__(
@@ -405,12 +403,15 @@ class IoDepth:
         limits: DepthRange,
         publish: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        name: str = "kvtier-io",
     ) -> None:
         self.limits = limits
         self.meter = IoMeter(clock)
         self._controller = None if limits.is_fixed else DepthController(limits)
         self._publish = publish
         self._limiter: anyio.CapacityLimiter | None = None
+        self._threads: IoThreads | None = None
+        self._name = name
 
     @property
     def depth(self) -> int:
@@ -419,22 +420,40 @@ class IoDepth:
 
     @property
     def limiter(self) -> anyio.CapacityLimiter:
-        """The thread limiter; :meth:`start` creates it."""
+        """The anyio thread limiter; :meth:`start` creates it."""
         if self._limiter is None:
             raise RuntimeError("IoDepth.start() was not called")
         return self._limiter
 
+    @property
+    def threads(self) -> IoThreads:
+        """The direction's threads; :meth:`start` creates them."""
+        if self._threads is None:
+            raise RuntimeError("IoDepth.start() was not called")
+        return self._threads
+
     def start(self) -> None:
-        """Create the limiter (on the tier's event loop) and publish the first depth."""
+        """Create the limiter (on the tier's event loop) and the threads, and publish
+        the first depth."""
         self._limiter = anyio.CapacityLimiter(self.depth)
+        self._threads = IoThreads(self._name, self.depth, self.meter)
         if self._publish is not None:
             self._publish(self.depth)
 
-    def workers(self, items: int) -> int:
-        """Threads a batch of ``items`` operations may use: the depth, or what the next
-        window may raise it to, so that a long batch follows a rise at once."""
-        ceiling = self.depth if self._controller is None else self._controller.ceiling
-        return min(items, ceiling)
+    def close(self) -> None:
+        """Let the threads end once idle (the tier is closing)."""
+        if self._threads is not None:
+            self._threads.close()
+
+    def apply(self, depth: int) -> None:
+        """Run at ``depth`` from now on (the controller's decisions; tests)."""
+        limiter, threads = self.limiter, self.threads
+        if depth == limiter.total_tokens and depth == threads.depth:
+            return
+        limiter.total_tokens = depth
+        threads.depth = depth
+        if self._publish is not None:
+            self._publish(depth)
 
     def poll(self) -> None:
         """Close the window if it is full and apply the controller's decision.
@@ -446,12 +465,7 @@ class IoDepth:
             return
         if meter.busy_seconds() < MIN_WINDOW_S:
             return
-        depth = controller.observe(meter.take(controller.depth))
-        limiter = self.limiter
-        if depth != limiter.total_tokens:
-            limiter.total_tokens = depth
-            if self._publish is not None:
-                self._publish(depth)
+        self.apply(controller.observe(meter.take(controller.depth)))
 
 
 def depth_gauge(metrics: MetricsRecorder, tier: str, direction: str) -> Callable[[int], None]:

@@ -13,11 +13,12 @@ verified before the chunk is reported loaded: a corrupt, truncated or foreign fi
 failed load, removed and counted, never served.
 
 Data path: ``os.pwritev`` / ``os.preadv`` straight between the file and the region's
-memoryview (one copy, no ``bytes`` per chunk), on a small dedicated thread limiter per
-direction whose size (the queue depth) follows what the disk delivers, unless a fixed
-depth is set (:mod:`kvtier.tiers._depth`). aiofiles would add two thread hops and a new
-``bytes`` per read; it measured lag spikes of up to 40 ms here, so it serves only the
-metadata side (directories, ``namespace.json``).
+memoryview (one copy, no ``bytes`` per chunk), on a few threads of the tier's own per
+direction (:mod:`kvtier.tiers._threads`), as many at once as the queue depth, which
+follows what the disk delivers unless a fixed depth is set (:mod:`kvtier.tiers._depth`).
+aiofiles would add two thread hops and a new ``bytes`` per read; it measured lag spikes
+of up to 40 ms here, so it serves only the metadata side (directories,
+``namespace.json``).
 
 An in-memory index (key -> size, least recently used first) answers lookups at once
 and drives ``capacity_bytes`` eviction. It is rebuilt at start by a background scan
@@ -232,8 +233,14 @@ class FileSystemTier(SecondaryTier):
         self._corrupt = CorruptChunks(ctx, self._log, self.path_of)
         # Their limiters need a running event loop: start() creates them.
         metrics, name = ctx.metrics, ctx.tier_name
-        self._reads = IoDepth(self.settings.read_range, depth_gauge(metrics, name, "read"))
-        self._writes = IoDepth(self.settings.write_range, depth_gauge(metrics, name, "write"))
+        self._reads = IoDepth(
+            self.settings.read_range, depth_gauge(metrics, name, "read"), name=f"kvtier-{name}-read"
+        )
+        self._writes = IoDepth(
+            self.settings.write_range,
+            depth_gauge(metrics, name, "write"),
+            name=f"kvtier-{name}-write",
+        )
         self._tasks = TaskSet(f"tier {ctx.tier_name}")
         self._scan_done = asyncio.Event()
 
@@ -265,6 +272,8 @@ class FileSystemTier(SecondaryTier):
         # The scan runs in a thread that cannot be interrupted: let it end.
         await self._tasks.wait()
         await self._tasks.aclose()
+        self._reads.close()
+        self._writes.close()
 
     async def _make_directory(self) -> None:
         """Create the namespace directory, and ``root_dir`` if missing; its parents never.

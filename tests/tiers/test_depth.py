@@ -239,7 +239,8 @@ async def test_a_full_window_moves_the_limiter_and_the_gauge():
     assert (lane.limiter.total_tokens, published) == (4, [4])
     clock.now = MIN_WINDOW_S
     lane.poll()
-    assert (lane.limiter.total_tokens, lane.depth, published) == (5, 5, [4, 5])
+    assert (lane.limiter.total_tokens, lane.threads.depth, lane.depth) == (5, 5, 5)
+    assert published == [4, 5]
     assert lane.meter.ios == 0
     for _ in range(window_ios(5) - 1):
         lane.meter.io_done(CHUNK, 0.01)
@@ -256,7 +257,7 @@ async def test_a_fixed_lane_keeps_its_depth_and_publishes_it_once():
     for _ in range(1000):
         lane.meter.io_done(CHUNK, 0.001)
     lane.poll()
-    assert (lane.limiter.total_tokens, published, lane.workers(100)) == (3, [3], 3)
+    assert (lane.limiter.total_tokens, lane.threads.depth, published) == (3, 3, [3])
 
 
 # ---------------------------------------------------------------- the threads
@@ -316,7 +317,7 @@ async def test_a_batch_takes_up_a_depth_raised_while_it_runs():
     async def raise_depth_then_release() -> None:
         await anyio.sleep(0.05)
         assert not third.is_set()  # a third thread waits for the depth
-        lane.limiter.total_tokens = 3
+        lane.apply(3)
         # It joins while the first two still hold theirs.
         assert await anyio.to_thread.run_sync(third.wait, 30)
         release.set()
@@ -324,3 +325,64 @@ async def test_a_batch_takes_up_a_depth_raised_while_it_runs():
     async with anyio.create_task_group() as group:
         group.start_soon(raise_depth_then_release)
         assert await in_threads(work, list(range(6)), lane, 1) == list(range(6))
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_batch_drops_what_no_thread_began_and_outlives_what_one_did():
+    lane = IoDepth(DepthRange.fixed(1))
+    lane.start()
+    began, release = threading.Event(), threading.Event()
+    ran: list[int] = []
+    order: list[str] = []
+
+    def work(item: int) -> int:
+        ran.append(item)
+        if item == 0:
+            began.set()
+            assert release.wait(30)
+            order.append("item 0 ended")
+        return item
+
+    scopes: list[anyio.CancelScope] = []
+
+    async def call() -> None:
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            await in_threads(work, list(range(10)), lane, 1)
+        order.append("call returned")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(call)
+        assert await anyio.to_thread.run_sync(began.wait, 30)
+        scopes[0].cancel()
+        await anyio.sleep(0.1)
+        assert order == []  # cancelled, the call still waits for the item begun
+        release.set()
+    (scope,) = scopes
+    assert scope.cancelled_caught
+    assert ran == [0]  # the nine others were never begun
+    assert order == ["item 0 ended", "call returned"]
+
+
+@pytest.mark.anyio
+async def test_the_lane_runs_on_threads_of_its_own_that_end_when_it_closes():
+    lane = IoDepth(DepthRange.fixed(3), name="kvtier-test-read")
+    lane.start()
+    names: set[str] = set()
+
+    def work(item: int) -> int:
+        names.add(threading.current_thread().name)
+        threading.Event().wait(0.002)
+        return item
+
+    for _ in range(3):
+        assert await in_threads(work, list(range(12)), lane, 1) == list(range(12))
+    assert names <= {f"kvtier-test-read-{i}" for i in range(3)}, names
+    assert lane.threads.started == 3  # started once, for every batch
+    lane.close()
+    for thread in threading.enumerate():
+        if thread.name.startswith("kvtier-test-read-"):
+            thread.join(10)
+            assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="kvtier-test-read: the I/O threads are closed"):
+        await in_threads(work, [1], lane, 1)
