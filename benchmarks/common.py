@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from kvtier import ConfigError, LookupResult, ReqContext, TieringOffloadingManager
 from kvtier.bench.physical import DiskLimits, drop_page_cache, measure_disk
@@ -255,6 +256,15 @@ class Patterns:
     Every chunk differs from every other in every word, so a chunk served under the
     wrong key, torn, or shifted never compares equal. ``caches`` are int64 views whose
     first dimension is the block.
+
+    Host-memory caches keep an xxh3-64 digest of each key's blocks as :meth:`write`
+    fills them, and :meth:`wrong` compares digests: one read of the loaded bytes
+    instead of building the pattern again and comparing (measured 0.12 against
+    0.4-0.6 ms of the worker's CPU per 2 MiB chunk here). A wrong chunk passes with
+    odds of 2**-64. The worker stands for a GPU, whose copies cost the host next to
+    nothing: the less CPU its check takes from the tiers beside it, the more the
+    figures measure the tiers. Keys written elsewhere, and device caches, are compared
+    word by word.
     """
 
     def __init__(self, caches: Sequence[torch.Tensor], seed: int) -> None:
@@ -266,21 +276,32 @@ class Patterns:
             for cache in caches
         ]
         self.caches = caches
+        self._digests: dict[bytes, tuple[int, ...]] | None = (
+            {} if all(cache.device.type == "cpu" for cache in caches) else None
+        )
 
     @staticmethod
     def value(key: bytes) -> int:
         return int.from_bytes(key[:8], "big", signed=True)
 
     def write(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
+        digests = self._digests
         for key, block in zip(keys, blocks, strict=True):
             value = self.value(key)
             for cache, base in zip(self.caches, self.bases, strict=True):
                 torch.bitwise_xor(base, value, out=cache[block])
+            if digests is not None:
+                digests[key] = self._digest(block)
 
     def wrong(self, keys: Sequence[bytes], blocks: Sequence[int]) -> int:
         """How many of ``keys`` do not hold their pattern in ``blocks``."""
+        digests = self._digests or {}
         wrong = 0
         for key, block in zip(keys, blocks, strict=True):
+            digest = digests.get(key)
+            if digest is not None:
+                wrong += self._digest(block) != digest
+                continue
             value = self.value(key)
             if not all(
                 torch.equal(cache[block] ^ value, base)
@@ -288,6 +309,9 @@ class Patterns:
             ):
                 wrong += 1
         return wrong
+
+    def _digest(self, block: int) -> tuple[int, ...]:
+        return tuple(xxhash.xxh3_64_intdigest(cache[block].numpy()) for cache in self.caches)
 
 
 def on_loop(manager: TieringOffloadingManager, fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:

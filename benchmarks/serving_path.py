@@ -327,8 +327,12 @@ class Scheduler:
             else:
                 figures.mismatches += copied.wrong + (0 if success else len(copy.keys))
                 manager.complete_load(copy.keys, copy.req)
+                self.loaded(copy)
             manager.on_request_finished(copy.req)
             free.append(copy.group)
+
+    def loaded(self, copy: Copy) -> None:
+        """A request's chunks are in the KV tensors (a subclass may time it)."""
 
     def _end_step(self, progressed: bool, mark: int) -> None:
         """End the step; one that moved nothing waits for a completion after ``mark``

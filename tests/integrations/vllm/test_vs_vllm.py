@@ -17,6 +17,8 @@ REQUIRED = {
     "promotion_gbps",
     "request_wait_p50_ms",
     "request_wait_p99_ms",
+    "request_ready_p50_ms",
+    "request_ready_p99_ms",
     "lookup_hit_ops_s",
     "store_cycle_ops_s",
     "store_cpu_s_per_gib",
@@ -42,6 +44,8 @@ def test_a_quick_run_reports_both_sides_whole_and_the_io_path_vllm_took(tmp_path
         assert run["promoted_bytes"] == chunks * figures["chunk_bytes"]
         assert run["requests_loaded"] == chunks // job_chunks
         assert run["copy_failures"] == 0
+        # A request is ready once its copy is done, after its chunks became readable.
+        assert run["request_ready_p50_ms"] >= run["request_wait_p50_ms"] > 0
         # The raw read of the files the run promoted from, right after it.
         assert run["own_files_read_gbps"] > 0
         assert figures[f"{side}_promotion_own_ratio"] > 0
