@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import anyio
 
 from kvtier.metrics import MetricsRecorder, Names
+from kvtier.resources import BlockingResource
 from kvtier.tiers._threads import IoThreads
 
 __all__ = [
@@ -388,7 +389,7 @@ class IoMeter:
         return window
 
 
-class IoDepth:
+class IoDepth(BlockingResource):
     """One direction of a tier's I/O: threads whose number in flight follows the device.
 
     The operations run on :attr:`threads` (:class:`~kvtier.tiers._threads.IoThreads`,
@@ -396,7 +397,10 @@ class IoDepth:
     threads (the fs tier's lookups) to the same depth. Fixed ranges keep their depth;
     adaptive ones run a :class:`DepthController` on the meter's windows. ``publish``
     hears every depth taken, the first included (the tiers set a gauge with it).
+    Closing lets the threads end once idle, without blocking.
     """
+
+    close_blocks = False
 
     def __init__(
         self,

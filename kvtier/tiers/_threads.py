@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
+from kvtier.resources import BlockingResource
+
 if TYPE_CHECKING:
     from kvtier.tiers._depth import IoMeter
 
@@ -85,13 +87,16 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-class IoThreads:
+class IoThreads(BlockingResource):
     """Threads named ``name`` that run the items of submitted batches, ``depth`` at once.
 
     Every operation is timed into ``meter`` (its ``item_bytes``, the seconds it took)
     and counted busy while it runs. :meth:`run` is the one entry point, called on the
-    event loop; the depth is set from the loop too.
+    event loop; the depth is set from the loop too. Closing only tells the threads to
+    end once idle: it never blocks.
     """
+
+    close_blocks = False
 
     def __init__(self, name: str, depth: int, meter: IoMeter) -> None:
         self._name = name
