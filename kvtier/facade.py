@@ -471,6 +471,9 @@ class KVTier(AsyncResource):
             if (out := manager.prepare_store(keys, req)) is not None:
                 break
             if not (self._copies or manager.has_pending_work()):
+                # The last cascades may have ended after the refusal: try once more.
+                if manager.host.completion_mark != mark:
+                    continue
                 return None
             if not await self._wait(deadline, mark):
                 return None

@@ -498,7 +498,12 @@ class PageStore(BlockingResource):
             mark = manager.host.completion_mark
             if (out := manager.prepare_store(batch, req)) is not None:
                 break
-            if not self._room_may_come() or not self._wait(deadline, mark):
+            if not self._room_may_come():
+                # The last cascades may have ended after the refusal: try once more.
+                if manager.host.completion_mark != mark:
+                    continue
+                return None
+            if not self._wait(deadline, mark):
                 return None
             self._expire_sessions()
         if not out.keys_to_store:
