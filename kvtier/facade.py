@@ -470,10 +470,10 @@ class KVTier(AsyncResource):
             mark = manager.host.completion_mark
             if (out := manager.prepare_store(keys, req)) is not None:
                 break
-            if not (self._copies or manager.has_pending_work()):
-                # The last cascades may have ended after the refusal: try once more.
-                if manager.host.completion_mark != mark:
-                    continue
+            # Room may come from work in flight, or be there already: a cascade that
+            # ended after the refusal (the wait from the mark then ends at once).
+            completed = manager.host.completion_mark != mark
+            if not (self._copies or completed or manager.has_pending_work()):
                 return None
             if not await self._wait(deadline, mark):
                 return None

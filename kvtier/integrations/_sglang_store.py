@@ -498,12 +498,7 @@ class PageStore(BlockingResource):
             mark = manager.host.completion_mark
             if (out := manager.prepare_store(batch, req)) is not None:
                 break
-            if not self._room_may_come():
-                # The last cascades may have ended after the refusal: try once more.
-                if manager.host.completion_mark != mark:
-                    continue
-                return None
-            if not self._wait(deadline, mark):
+            if not self._room_may_come(mark) or not self._wait(deadline, mark):
                 return None
             self._expire_sessions()
         if not out.keys_to_store:
@@ -591,11 +586,19 @@ class PageStore(BlockingResource):
 
     # --------------------------------------------------------------- helpers
 
-    def _room_may_come(self) -> bool:
-        """Whether something holding primary slots will let go of them: tier work in
-        flight, another call (a load copying out of pinned slots), or a session
-        keeping promoted slots for its load."""
-        return self.manager.has_pending_work() or self._gate.active > 1 or bool(self._sessions)
+    def _room_may_come(self, since: int) -> bool:
+        """Whether a store refused after the completion mark ``since`` may find room
+        by waiting: something completed after the mark (a cascade that ended after
+        the refusal; the wait from the mark then ends at once), or something holding
+        primary slots will let go of them: tier work in flight, another call (a load
+        copying out of pinned slots), or a session keeping promoted slots for its load."""
+        manager = self.manager
+        return (
+            manager.host.completion_mark != since
+            or manager.has_pending_work()
+            or self._gate.active > 1
+            or bool(self._sessions)
+        )
 
     def _wait(self, deadline: float, since: int) -> bool:
         """Wait for tier work to finish after the completion mark ``since``, at most

@@ -231,7 +231,7 @@ class FileSystemTier(SecondaryTier):
         self._events = EventLog(ctx.enable_events)
         self._log = ThrottledLog(logger, f"tier {ctx.tier_name}")
         self._corrupt = CorruptChunks(ctx, self._log, self.path_of)
-        # Their limiters need a running event loop: start() creates them.
+        # Their limiters and threads need a running event loop: start() creates them.
         metrics, name = ctx.metrics, ctx.tier_name
         self._reads = IoDepth(
             self.settings.read_range, depth_gauge(metrics, name, "read"), name=f"kvtier-{name}-read"
