@@ -248,7 +248,9 @@ def vs_vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
         f"each; page cache {r['page_cache']}; vLLM's fs I/O {r['vllm_io_path']}, O_DIRECT "
         f"{vllm_fs['o_direct']}; kvtier's fs O_DIRECT {r['kvtier_fs']['o_direct']}; raw: "
         f"best of {', '.join(map(str, r['raw_depths']))} threads, O_DIRECT "
-        f"{r['raw_o_direct']})\n\n" + table(["figure", "vLLM", "kvtier", "kvtier / vLLM"], rows)
+        f"{r['raw_o_direct']}; files "
+        f"{'kept until the end' if r.get('files_kept') else 'removed after each run'})\n\n"
+        + table(["figure", "vLLM", "kvtier", "kvtier / vLLM"], rows)
     )
     return "vs-vllm", text
 

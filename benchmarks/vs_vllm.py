@@ -11,6 +11,10 @@ does the copies as plain memory copies between a host "GPU" buffer and the manag
 primary-tier rows (vLLM's own worker needs CUDA), and checks every loaded chunk's bytes.
 The runs alternate (vLLM, kvtier, vLLM, kvtier, ...), ``--runs`` of each, each in a fresh
 directory, so that the disk's drift falls on both alike; the table shows the medians.
+Where the disk has room, every run's files and the raw reference's stay until the end
+(``files_kept``): on ext4 without a journal, a file created soon after many were removed
+costs CPU for each of them, and removals between runs would fall on whichever side ran
+next.
 
 1. Raw reference: ``kvtier.bench.physical.measure_disk`` over as many one-chunk files as
    the workload stores, spread over subdirectories as the tiers spread theirs, the best
@@ -697,9 +701,11 @@ def run_once(
     patterns: common.Patterns,
     page_cache: str,
     direct: bool,
+    keep: bool,
 ) -> dict[str, Any]:
     """One run of side ``name`` in ``root``: stores, promotions, a raw read of the files
-    it promoted from, then the call rates."""
+    it promoted from, then the call rates. Its files are removed after it unless
+    ``keep`` (see :func:`room_to_keep`)."""
     tier_root = root / "tier"
     root.mkdir()  # kvtier's fs tier creates its root_dir, not the parents
     side = SIDE_CLASSES[name](args, tier_root)
@@ -728,7 +734,8 @@ def run_once(
         copier.inbox.put(None)
         copier.join()
         side.close()
-        shutil.rmtree(root, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
     figures = driver.figures
     return {
         "store_gbps": total / store.seconds / 1e9,
@@ -884,6 +891,20 @@ def raw_depths(threads: int) -> list[int]:
     return sorted({1, 4, threads, 2 * threads})
 
 
+def room_to_keep(args: argparse.Namespace, root: Path) -> bool:
+    """Whether the files of every raw pass and every run fit under ``root`` at once.
+
+    They are then all kept until the end (``keep`` of ``physical.measure_disk``), so
+    that no run creates its files just after others were removed: on ext4 without a
+    journal that costs up to 0.6 ms of CPU per file created, and it would fall on the
+    run after the removal, not on a side.
+    """
+    passes = 2 * len(raw_depths(args.raw_threads)) + args.runs * len(args.sides)
+    chunks = args.requests * args.job_chunks
+    need = passes * chunks * (args.chunk_bytes + 4096)  # kvtier's files carry a header page
+    return shutil.disk_usage(root).free > need + common.GIB
+
+
 def o_direct_works(directory: Path) -> bool:
     """Whether ``directory`` takes O_DIRECT I/O, as vLLM's fs tier probes it."""
     from vllm.v1.kv_offload.tiering.fs.io import probe_o_direct
@@ -902,10 +923,16 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     keys = chunk_keys(str(args.seed), count)
     requests = [keys[i : i + job] for i in range(0, count, job)]
     direct = o_direct_works(root)
+    keep = room_to_keep(args, root)
 
     def raw(name: str) -> common.DiskLimits:
         return common.measure_disk(
-            root / name, count, chunk, depths=raw_depths(args.raw_threads), direct=direct
+            root / name,
+            count,
+            chunk,
+            depths=raw_depths(args.raw_threads),
+            direct=direct,
+            keep=keep,
         )
 
     before = raw("raw-before")
@@ -915,12 +942,15 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     for i in range(args.runs):
         for name in args.sides:  # alternating, so drift falls on both
             runs[name].append(
-                run_once(name, args, root / f"{name}-{i}", requests, patterns, page_cache, direct)
+                run_once(
+                    name, args, root / f"{name}-{i}", requests, patterns, page_cache, direct, keep
+                )
             )
     limits = common.raw_disk(before, raw("raw-after"))
     facts = {
         "page_cache": page_cache,
         "raw_o_direct": direct,
+        "files_kept": keep,
         "raw_threads": args.raw_threads,
         "raw_depths": raw_depths(args.raw_threads),
         "vllm_io_path": vllm_io_path(),
@@ -955,6 +985,11 @@ def report(figures: dict[str, Any]) -> str:
         f"{kvtier_fs['o_direct']}, depth {kvtier_fs['read_depth']} read / "
         f"{kvtier_fs['write_depth']} write"
     )
+    if not figures["files_kept"]:
+        print(
+            "  too little free space to keep every run's files until the end: each run's "
+            "were removed after it, which may slow the next one's file creations"
+        )
     sides = [name for name in SIDES if f"{name}_fs" in figures]
     print(f"  {'figure':<26}{'vLLM':>14}{'kvtier':>14}{'kvtier/vLLM':>14}")
     for key, label, style in FIGURES:

@@ -60,7 +60,9 @@ def drop_page_cache(files: list[Path]) -> None:
                 os.close(fd)
 
 
-def _one_pass(directory: Path, count: int, chunk: int, threads: int, direct: bool) -> DiskLimits:
+def _one_pass(
+    directory: Path, count: int, chunk: int, threads: int, direct: bool, keep: bool
+) -> DiskLimits:
     directory.mkdir(parents=True)
     # Page-aligned buffers: O_DIRECT needs them, as kvtier's region rows are.
     source = mmap.mmap(-1, _HEADER + chunk)
@@ -87,7 +89,8 @@ def _one_pass(directory: Path, count: int, chunk: int, threads: int, direct: boo
             write_s = time.perf_counter() - started
         read_s = _read_cold(paths, _HEADER + chunk, threads, direct)
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(directory, ignore_errors=True)
         source.close()
     total = count * chunk
     return DiskLimits(total / write_s / 1e9, total / read_s / 1e9)
@@ -148,12 +151,22 @@ def measure_disk(
     *,
     depths: Iterable[int] = (4,),
     direct: bool = False,
+    keep: bool = False,
 ) -> DiskLimits:
     """Best raw write and cold read bandwidth of ``count`` one-chunk files in ``directory``,
     by one thread and by each of ``depths`` threads: the best the disk does at the
-    depths a tier uses, so that the tier is held against no less."""
+    depths a tier uses, so that the tier is held against no less.
+
+    Each pass removes its files when it ends, unless ``keep``: then they stay under
+    ``directory`` for the caller to remove once nothing is measured any more. On ext4
+    without a journal (this project's VMs), creating a file costs CPU for every inode of
+    its block group freed in the last minutes (the allocator checks each one's deletion
+    time before passing over it): files removed between passes, or between the
+    reference and a run, would slow the next one's file creations by the measurement's
+    own doing, up to 0.6 ms of CPU per file here.
+    """
     passes = [
-        _one_pass(directory / f"raw-{threads}", count, chunk, threads, direct)
+        _one_pass(directory / f"raw-{threads}", count, chunk, threads, direct, keep)
         for threads in sorted({1, *depths})
     ]
     return DiskLimits(max(p.write_gbps for p in passes), max(p.read_gbps for p in passes))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.bench.physical import measure_reads
+from kvtier.bench.physical import measure_disk, measure_reads
 
 
 def test_a_raw_read_of_existing_files_reads_them_whole_at_each_depth(tmp_path):
@@ -25,3 +25,18 @@ def test_a_raw_read_of_existing_files_reads_them_whole_at_each_depth(tmp_path):
 def test_a_raw_read_of_no_file_is_refused():
     with pytest.raises(ValueError, match="at least one file"):
         measure_reads([])
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_raw_disk_pass_removes_its_files_unless_asked_to_keep_them(tmp_path, keep):
+    # Kept, every pass's files stay for the caller to remove once nothing is measured:
+    # removals between passes would slow the next pass's file creations.
+    limits = measure_disk(tmp_path / "raw", 6, 65536, depths=(2,), keep=keep)
+    assert limits.write_gbps > 0 and limits.read_gbps > 0
+    left = sorted(path for path in (tmp_path / "raw").rglob("*.raw"))
+    if keep:
+        assert {path.parent.parent.name for path in left} == {"raw-1", "raw-2"}
+        assert len(left) == 12
+        assert all(path.stat().st_size == 4096 + 65536 for path in left)
+    else:
+        assert left == []

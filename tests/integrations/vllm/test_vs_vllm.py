@@ -57,6 +57,9 @@ def test_a_quick_run_reports_both_sides_whole_and_the_io_path_vllm_took(tmp_path
     in_c = figures["vllm_io_path"] == "C extension (vllm.fs_io_C)"
     assert in_c == figures["fs_io_extension"].startswith("loaded"), figures["fs_io_extension"]
     assert in_c or figures["vllm_io_path"] == "pure Python"
+    # Every run's files stayed until the end (a temporary directory has the room), and
+    # the end removed them all.
+    assert figures["files_kept"] is True
     assert list(root.iterdir()) == []  # the run cleans up after itself
 
 
