@@ -467,10 +467,11 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         out = self.kvtier.prepare_store(list(keys), self._context(req_context))
         if out is None:
             return None
+        # The lists are the manager's answer to this call alone: vLLM may keep them.
         return vllm_base.PrepareStoreOutput(
-            keys_to_store=list(out.keys_to_store),
-            store_spec=KVTierSlots(tuple(int(slot) for slot in out.store_spec.chunk_ids)),
-            evicted_keys=list(out.evicted_keys),
+            keys_to_store=out.keys_to_store,
+            store_spec=KVTierSlots(tuple(map(int, out.store_spec.chunk_ids))),
+            evicted_keys=out.evicted_keys,
         )
 
     def complete_store(

@@ -42,6 +42,9 @@ class CompletionQueue:
         self._on_post = on_post
         self.seq = 0
         self._cond = threading.Condition()
+        # Threads in wait_blocking: a notify with none skips the condition's
+        # notify_all, a tenth of a store cycle's cost through vLLM's interface.
+        self._sleepers = 0
         self._futures: list[asyncio.Future[None]] = []
 
     def __bool__(self) -> bool:
@@ -61,7 +64,10 @@ class CompletionQueue:
     def notify(self) -> None:
         with self._cond:
             self.seq += 1
-            self._cond.notify_all()
+            if self._sleepers:
+                self._cond.notify_all()
+            if not self._futures:
+                return
             futures, self._futures = self._futures, []
         for future in futures:
             resolve_threadsafe(future, None)
@@ -77,7 +83,11 @@ class CompletionQueue:
 
     def wait_blocking(self, seq: int, timeout: float | None = None) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self.seq != seq, timeout)
+            self._sleepers += 1
+            try:
+                self._cond.wait_for(lambda: self.seq != seq, timeout)
+            finally:
+                self._sleepers -= 1
 
     async def wait_for_any(self, since: int | None = None) -> None:
         """Resolve once something completes after :attr:`seq` read ``since`` (None:

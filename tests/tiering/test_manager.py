@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -74,6 +75,35 @@ async def test_a_wait_from_a_mark_ends_for_a_completion_applied_before_it_began(
         await asyncio.sleep(0.05)
         assert not waiter.done()
         waiter.cancel()
+        manager.on_request_finished(req)
+
+
+async def test_a_thread_asleep_in_a_blocking_wait_is_woken_by_a_store_completing(engine_id):
+    async with opened(engine_id, [scripted("woken")], chunks=4) as manager:
+        [key] = keys("woken", 1)
+        req = ReqContext("r")
+        assert manager.prepare_store([key], req) is not None
+        woke = threading.Event()
+
+        def wait() -> None:
+            manager.host.wait_for_completions_blocking(30)
+            woke.set()
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        # The store completes only once the thread sleeps in the wait (the queue
+        # counts its sleepers: a notify with none skips the condition's wake-up), so
+        # only that wake-up can end the wait before its 30 s.
+        queue = manager.host._completions
+
+        def until_asleep() -> None:
+            while not queue._sleepers:
+                time.sleep(0.001)
+
+        await asyncio.to_thread(until_asleep)
+        manager.complete_store([key], req)
+        assert await asyncio.to_thread(woke.wait, 20)
+        waiter.join()
         manager.on_request_finished(req)
 
 
