@@ -902,7 +902,7 @@ def room_to_keep(args: argparse.Namespace, root: Path) -> bool:
     passes = 2 * len(raw_depths(args.raw_threads)) + args.runs * len(args.sides)
     chunks = args.requests * args.job_chunks
     need = passes * chunks * (args.chunk_bytes + 4096)  # kvtier's files carry a header page
-    return shutil.disk_usage(root).free > need + common.GIB
+    return shutil.disk_usage(root).free > need * 1.05 + common.GIB
 
 
 def o_direct_works(directory: Path) -> bool:

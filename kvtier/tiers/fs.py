@@ -71,8 +71,10 @@ from kvtier.resources import TaskSet
 from kvtier.tiers._corrupt import CorruptChunks
 from kvtier.tiers._depth import (
     DEFAULT_MAX_DEPTH,
+    DEFAULT_MAX_WRITE_DEPTH,
     DEFAULT_MIN_DEPTH,
     DEFAULT_START_DEPTH,
+    DEFAULT_START_WRITE_DEPTH,
     DepthRange,
     IoDepth,
     depth_gauge,
@@ -115,15 +117,17 @@ class FsSettings:
     #: number fixes it. ``io_concurrency`` sets this and ``write_depth`` together;
     #: either one given on its own wins over it.
     read_depth: int | Literal["auto"] = AUTO
-    #: Chunk files written at once; see ``read_depth`` (bounded by ``max_write_depth``).
+    #: Chunk files written at once; see ``read_depth`` (an adaptive write depth starts
+    #: at 16, bounded by ``max_write_depth``).
     write_depth: int | Literal["auto"] = AUTO
     #: The least an adaptive depth goes down to (2); a fixed depth ignores it.
     min_depth: int = DEFAULT_MIN_DEPTH
     #: The most an adaptive read depth goes up to (16, vLLM's read threads); a fixed
     #: one ignores it.
     max_read_depth: int = DEFAULT_MAX_DEPTH
-    #: The most an adaptive write depth goes up to (16, vLLM's write threads).
-    max_write_depth: int = DEFAULT_MAX_DEPTH
+    #: The most an adaptive write depth goes up to (32: vLLM's 16 read and 16 write
+    #: threads all write while nothing is read).
+    max_write_depth: int = DEFAULT_MAX_WRITE_DEPTH
     #: Write and read without the page cache: ``"auto"`` where the filesystem supports
     #: it (probed at start), true to require it, false never.
     o_direct: bool | Literal["auto"] = "auto"
@@ -145,8 +149,8 @@ class FsSettings:
         read_depth = _depth(reader, "read_depth", both)
         write_depth = _depth(reader, "write_depth", both)
         min_depth = reader.integer("min_depth", DEFAULT_MIN_DEPTH, minimum=1, maximum=_MAX_DEPTH)
-        max_read_depth = _bound(reader, "max_read_depth", min_depth)
-        max_write_depth = _bound(reader, "max_write_depth", min_depth)
+        max_read_depth = _bound(reader, "max_read_depth", min_depth, DEFAULT_MAX_DEPTH)
+        max_write_depth = _bound(reader, "max_write_depth", min_depth, DEFAULT_MAX_WRITE_DEPTH)
         o_direct = reader.raw("o_direct", "auto")
         if o_direct not in ("auto", True, False):
             raise ConfigError(reader.path_of("o_direct"), 'expected "auto", true or false')
@@ -169,12 +173,14 @@ class FsSettings:
     @property
     def read_range(self) -> DepthRange:
         """The read depths the tier may run at."""
-        return _range(self.read_depth, self.min_depth, self.max_read_depth)
+        return _range(self.read_depth, self.min_depth, self.max_read_depth, DEFAULT_START_DEPTH)
 
     @property
     def write_range(self) -> DepthRange:
         """The write depths the tier may run at."""
-        return _range(self.write_depth, self.min_depth, self.max_write_depth)
+        return _range(
+            self.write_depth, self.min_depth, self.max_write_depth, DEFAULT_START_WRITE_DEPTH
+        )
 
 
 def _depth(reader: ConfigReader, key: str, default: int | Literal["auto"]) -> int | Literal["auto"]:
@@ -190,9 +196,9 @@ def _depth(reader: ConfigReader, key: str, default: int | Literal["auto"]) -> in
     return depth
 
 
-def _bound(reader: ConfigReader, key: str, min_depth: int) -> int:
+def _bound(reader: ConfigReader, key: str, min_depth: int, default: int) -> int:
     """``max_read_depth`` / ``max_write_depth``, no lower than ``min_depth``."""
-    value: int = reader.integer(key, DEFAULT_MAX_DEPTH, minimum=1, maximum=_MAX_DEPTH)
+    value: int = reader.integer(key, default, minimum=1, maximum=_MAX_DEPTH)
     if value < min_depth:
         raise ConfigError(
             reader.path_of(key), f"expected a value >= min_depth ({min_depth}), got {value}"
@@ -200,10 +206,10 @@ def _bound(reader: ConfigReader, key: str, min_depth: int) -> int:
     return value
 
 
-def _range(depth: int | str, minimum: int, maximum: int) -> DepthRange:
+def _range(depth: int | str, minimum: int, maximum: int, start: int) -> DepthRange:
     if isinstance(depth, int):
         return DepthRange.fixed(depth)
-    return DepthRange.adaptive(minimum, maximum, DEFAULT_START_DEPTH)
+    return DepthRange.adaptive(minimum, maximum, start)
 
 
 class FileSystemTier(SecondaryTier):
