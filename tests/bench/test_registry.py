@@ -311,7 +311,8 @@ def fs_tier(tmp_path: Path, **params: object) -> FileSystemTier:
 
 
 def test_the_raw_disk_limit_is_measured_at_the_depths_the_fs_tier_uses(tmp_path):
-    assert raw_disk_depths(fs_tier(tmp_path)) == (1, 16)
+    # At its defaults the tier reads at up to 16 and writes at up to 32.
+    assert raw_disk_depths(fs_tier(tmp_path)) == (1, 16, 32)
     assert raw_disk_depths(fs_tier(tmp_path, max_read_depth=8, max_write_depth=4)) == (1, 4, 8)
     assert raw_disk_depths(fs_tier(tmp_path, io_concurrency=8)) == (1, 8)
     assert raw_disk_depths(fs_tier(tmp_path, read_depth=16, write_depth=2)) == (1, 2, 16)
