@@ -393,6 +393,9 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
     def _context(self, req_context: vllm_base.ReqContext) -> ReqContext:
         """kvtier's context for a vLLM request, made once and kept on vLLM's; its
         ``load_tiers`` are the tiers vLLM's ``kv_load_tiers`` filter allows."""
+        last_vllm, last = self._last_context
+        if req_context is last_vllm:  # most calls in a row are for one request
+            return last
         ctx: ReqContext | None = req_context.get_state(ReqContext)
         if ctx is None:
             load_filter = req_context.load_tier_filter
@@ -405,6 +408,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
                 )
             ctx = ReqContext(req_context.req_id, req_context.kv_transfer_params, load_tiers)
             req_context.set_state(ctx)
+        self._last_context = (req_context, ctx)
         return ctx
 
     # -------------------------------------------------------------- lookups
@@ -413,7 +417,6 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         last_vllm, ctx = self._last_context
         if req_context is not last_vllm:
             ctx = self._context(req_context)
-            self._last_context = (req_context, ctx)
         result = self.kvtier.lookup(key, ctx)
         if result is _HIT:
             hits = self._hits.get(ctx.req_id)
