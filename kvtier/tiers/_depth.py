@@ -41,10 +41,8 @@ from kvtier.tiers._threads import IoThreads
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
-    "DEFAULT_MAX_WRITE_DEPTH",
     "DEFAULT_MIN_DEPTH",
     "DEFAULT_START_DEPTH",
-    "DEFAULT_START_WRITE_DEPTH",
     "DepthController",
     "DepthRange",
     "IoDepth",
@@ -54,9 +52,8 @@ __all__ = [
     "window_ios",
 ]
 
-# Where an adaptive depth starts: the fixed default it replaces, measured best on the
-# project's VM disk (2 MiB chunks, benchmarks/fs_tier.py: cold O_DIRECT reads at 0.90-0.95
-# of raw preadv, writes at 0.93-0.98 of raw pwritev).
+# Where an adaptive depth starts unless its owner says otherwise (the fs tier starts
+# higher: see kvtier.tiers.fs).
 DEFAULT_START_DEPTH = 4
 # The least an adaptive depth goes down to. With one operation in flight the device
 # idles while the thread opens, closes and renames files between transfers; a second
@@ -66,16 +63,6 @@ DEFAULT_MIN_DEPTH = 2
 # The most an adaptive depth goes up to: vLLM's own tiering runs 16 read and 16 write
 # threads, and kvtier at depth 16 matched it on the disk where depth 4 left it idle.
 DEFAULT_MAX_DEPTH = 16
-# Writes start, and may go, higher. vLLM's tiering writes on all 32 of its threads while
-# nothing is read (each thread takes the other queue when its own is empty). Measured
-# with benchmarks/vs_vllm.py with no file removed in the minutes before (removals had
-# made every file creation CPU-bound, which favoured low depths), kvtier stored 4 GiB at
-# 1.34-1.35 GB/s from depth 4 (it had climbed to 7 when the 2-3 s burst ended), 1.65 at
-# 16 and 1.59-2.31 at 32, at 0.55-0.60 CPU-seconds per GiB against 0.68-0.70: a burst
-# ends before a climb from 4 gets far, and the scheduler's and the loop's CPU per
-# second is spent for fewer seconds.
-DEFAULT_START_WRITE_DEPTH = 16
-DEFAULT_MAX_WRITE_DEPTH = 32
 
 # Windows span at least this many completed operations, and WINDOW_TURNS times the
 # depth: each holds several full turns of the queue, so the operations cut in half at

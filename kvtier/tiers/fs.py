@@ -71,10 +71,7 @@ from kvtier.resources import TaskSet
 from kvtier.tiers._corrupt import CorruptChunks
 from kvtier.tiers._depth import (
     DEFAULT_MAX_DEPTH,
-    DEFAULT_MAX_WRITE_DEPTH,
     DEFAULT_MIN_DEPTH,
-    DEFAULT_START_DEPTH,
-    DEFAULT_START_WRITE_DEPTH,
     DepthRange,
     IoDepth,
     depth_gauge,
@@ -99,6 +96,19 @@ STALE_TMP_S = 3600.0
 # promotion otherwise, and an order to the minute is all a restart needs.
 MTIME_REFRESH_S = 60.0
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+# Where an adaptive depth starts, both ways. Measured with benchmarks/vs_vllm.py (4 GiB
+# of 2 MiB chunks) with no file removed in the minutes before (removals had made every
+# file creation CPU-bound, which favoured low depths): stores from depth 4 ran at
+# 1.34-1.35 GB/s (the depth had climbed to 7 when the 2-3 s burst ended), at 1.65 from
+# 16 and 1.59-2.31 from 32, at less CPU per GiB (0.55-0.60 s against 0.68-0.70);
+# promotions at 1.55-1.61 GB/s from 4 and 1.74-1.92 at 16, the median request waiting
+# 230-252 ms against 319-327. A burst is often over before a climb from 4 gets far, and
+# a depth that does not pay is stepped down.
+START_DEPTH = 16
+# The most an adaptive write depth goes up to: vLLM's tiering writes on all 32 of its
+# threads while nothing is read (each takes the other queue when its own is empty).
+# Reads stop at DEFAULT_MAX_DEPTH, which also sizes a local tier's promotion batches.
+MAX_WRITE_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -113,12 +123,11 @@ class FsSettings:
     #: removed. None (the default): no limit but the filesystem's.
     capacity_bytes: int | None = None
     #: Chunk files read at once: ``"auto"`` (the default) adapts the depth to what the
-    #: disk delivers, starting at 4, between ``min_depth`` and ``max_read_depth``; a
+    #: disk delivers, starting at 16, between ``min_depth`` and ``max_read_depth``; a
     #: number fixes it. ``io_concurrency`` sets this and ``write_depth`` together;
     #: either one given on its own wins over it.
     read_depth: int | Literal["auto"] = AUTO
-    #: Chunk files written at once; see ``read_depth`` (an adaptive write depth starts
-    #: at 16, bounded by ``max_write_depth``).
+    #: Chunk files written at once; see ``read_depth`` (bounded by ``max_write_depth``).
     write_depth: int | Literal["auto"] = AUTO
     #: The least an adaptive depth goes down to (2); a fixed depth ignores it.
     min_depth: int = DEFAULT_MIN_DEPTH
@@ -127,7 +136,7 @@ class FsSettings:
     max_read_depth: int = DEFAULT_MAX_DEPTH
     #: The most an adaptive write depth goes up to (32: vLLM's 16 read and 16 write
     #: threads all write while nothing is read).
-    max_write_depth: int = DEFAULT_MAX_WRITE_DEPTH
+    max_write_depth: int = MAX_WRITE_DEPTH
     #: Write and read without the page cache: ``"auto"`` where the filesystem supports
     #: it (probed at start), true to require it, false never.
     o_direct: bool | Literal["auto"] = "auto"
@@ -150,7 +159,7 @@ class FsSettings:
         write_depth = _depth(reader, "write_depth", both)
         min_depth = reader.integer("min_depth", DEFAULT_MIN_DEPTH, minimum=1, maximum=_MAX_DEPTH)
         max_read_depth = _bound(reader, "max_read_depth", min_depth, DEFAULT_MAX_DEPTH)
-        max_write_depth = _bound(reader, "max_write_depth", min_depth, DEFAULT_MAX_WRITE_DEPTH)
+        max_write_depth = _bound(reader, "max_write_depth", min_depth, MAX_WRITE_DEPTH)
         o_direct = reader.raw("o_direct", "auto")
         if o_direct not in ("auto", True, False):
             raise ConfigError(reader.path_of("o_direct"), 'expected "auto", true or false')
@@ -173,14 +182,12 @@ class FsSettings:
     @property
     def read_range(self) -> DepthRange:
         """The read depths the tier may run at."""
-        return _range(self.read_depth, self.min_depth, self.max_read_depth, DEFAULT_START_DEPTH)
+        return _range(self.read_depth, self.min_depth, self.max_read_depth)
 
     @property
     def write_range(self) -> DepthRange:
         """The write depths the tier may run at."""
-        return _range(
-            self.write_depth, self.min_depth, self.max_write_depth, DEFAULT_START_WRITE_DEPTH
-        )
+        return _range(self.write_depth, self.min_depth, self.max_write_depth)
 
 
 def _depth(reader: ConfigReader, key: str, default: int | Literal["auto"]) -> int | Literal["auto"]:
@@ -206,10 +213,10 @@ def _bound(reader: ConfigReader, key: str, min_depth: int, default: int) -> int:
     return value
 
 
-def _range(depth: int | str, minimum: int, maximum: int, start: int) -> DepthRange:
+def _range(depth: int | str, minimum: int, maximum: int) -> DepthRange:
     if isinstance(depth, int):
         return DepthRange.fixed(depth)
-    return DepthRange.adaptive(minimum, maximum, start)
+    return DepthRange.adaptive(minimum, maximum, START_DEPTH)
 
 
 class FileSystemTier(SecondaryTier):

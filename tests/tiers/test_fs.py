@@ -399,7 +399,7 @@ async def test_an_adaptive_depth_starts_within_its_bounds_and_its_gauge_follows_
     config = fs_config(engine_id, tmp_path, chunks=8, read_depth=2, max_write_depth=6)
     async with KVTier(config, [kv_tensor()]) as kv:
         tier = fs_tier(kv)
-        # Writes start at 16, clipped to the bound.
+        # An adaptive depth starts at 16, clipped to its bound.
         assert (io_depth(kv, "read"), io_depth(kv, "write")) == (2, 6)
         # Enough stores for several windows: where the depth goes depends on this
         # machine's disk, but it stays in bounds and the gauge says where it is.

@@ -211,8 +211,8 @@ def test_io_concurrency_sets_both_depths_unless_one_is_given():
 def test_depths_adapt_by_default_and_a_number_fixes_them():
     default = FsSettings.from_params({"root_dir": "/r"}, PATH)
     assert (default.read_depth, default.write_depth) == ("auto", "auto")
-    assert default.read_range == DepthRange(4, 2, 16)
-    # Writes start deeper and may go deeper: vLLM's tiering writes on 32 threads.
+    # Both start at 16; writes may go deeper (vLLM's tiering writes on 32 threads).
+    assert default.read_range == DepthRange(16, 2, 16)
     assert default.write_range == DepthRange(16, 2, 32)
     fixed = FsSettings.from_params({"root_dir": "/r", "io_concurrency": 6}, PATH)
     assert fixed.read_range == fixed.write_range == DepthRange(6, 6, 6)
@@ -222,10 +222,10 @@ def test_depths_adapt_by_default_and_a_number_fixes_them():
 def test_auto_may_be_asked_for_by_name_and_bounded():
     params = {"root_dir": "/r", "io_concurrency": 8, "read_depth": "auto", "max_read_depth": 32}
     settings = FsSettings.from_params(params, PATH)
-    assert settings.read_range == DepthRange(4, 2, 32)
+    assert settings.read_range == DepthRange(16, 2, 32)
     assert settings.write_range == DepthRange.fixed(8)
     low = FsSettings.from_params({"root_dir": "/r", "min_depth": 6, "max_write_depth": 8}, PATH)
-    # The start (16 for writes) is clipped into the bounds.
+    # The start (16) is clipped into the bounds.
     assert low.write_range == DepthRange(8, 6, 8)
 
 
