@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TypeVar
@@ -61,14 +62,22 @@ def raw_disk_depths(fs: FileSystemTier) -> tuple[int, ...]:
 
 async def _raw_disk(tier: SecondaryTier, run: LimitContext) -> dict[Direction, float]:
     fs = _as(tier, FileSystemTier)
-    disk = await asyncio.to_thread(
-        measure_disk,
-        run.workspace / "physical",
-        run.chunks(run.traffic.bytes_written, 1 << 30),
-        run.chunk_bytes,
-        depths=raw_disk_depths(fs),
-        direct=fs.o_direct,
-    )
+    directory = run.workspace / "physical"
+    try:
+        # Every pass's files stay until the last pass ends: a pass creating its files
+        # just after the one before removed its own pays for that removal on some
+        # filesystems (see measure_disk).
+        disk = await asyncio.to_thread(
+            measure_disk,
+            directory,
+            run.chunks(run.traffic.bytes_written, 1 << 30),
+            run.chunk_bytes,
+            depths=raw_disk_depths(fs),
+            direct=fs.o_direct,
+            keep=True,
+        )
+    finally:
+        await asyncio.to_thread(shutil.rmtree, directory, True)
     return {Direction.WRITE: disk.write_gbps, Direction.READ: disk.read_gbps}
 
 
