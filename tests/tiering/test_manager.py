@@ -97,7 +97,7 @@ async def test_a_thread_asleep_in_a_blocking_wait_is_woken_by_a_store_completing
         queue = manager.host._completions
 
         def until_asleep() -> None:
-            while not queue._sleepers:
+            while not queue._sleepers and not woke.is_set():
                 time.sleep(0.001)
 
         await asyncio.to_thread(until_asleep)
