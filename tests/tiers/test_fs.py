@@ -18,8 +18,9 @@ import pytest
 import torch
 from helpers import damaged, keys, store_all, tiering_config
 
-from kvtier import ConfigError, KVTier, ReqContext
+from kvtier import ConfigError, KVTier, ReqContext, TierContext
 from kvtier.metrics import Names
+from kvtier.region import PrimaryView
 from kvtier.tiers.fs import MTIME_REFRESH_S, FileSystemTier
 
 pytestmark = pytest.mark.anyio
@@ -393,14 +394,26 @@ async def test_a_fixed_depth_shows_in_its_gauge_and_stays(engine_id, tmp_path):
         assert (io_depth(kv, "read"), io_depth(kv, "write")) == (3, 3)
 
 
+@pytest.mark.parametrize(("chunk_bytes", "start"), [(4096, 4), (192 << 10, 4), (256 << 10, 16)])
+def test_an_adaptive_depth_starts_deeper_for_big_chunks(tmp_path, chunk_bytes, start):
+    # Small chunk files cost CPU to create and open rather than disk time to move:
+    # more threads at once only contend for the cores.
+    row = memoryview(bytearray(chunk_bytes))
+    ctx = TierContext(PrimaryView(row, 1, chunk_bytes), chunk_bytes, "namespace", "1:fs")
+    tier = FileSystemTier(ctx, root_dir=str(tmp_path))
+    assert (tier.read_depth, tier.write_depth) == (start, start)
+    fixed = FileSystemTier(ctx, root_dir=str(tmp_path), io_concurrency=8)
+    assert (fixed.read_depth, fixed.write_depth) == (8, 8)
+
+
 async def test_an_adaptive_depth_starts_within_its_bounds_and_its_gauge_follows_it(
     engine_id, tmp_path
 ):
     config = fs_config(engine_id, tmp_path, chunks=8, read_depth=2, max_write_depth=6)
     async with KVTier(config, [kv_tensor()]) as kv:
         tier = fs_tier(kv)
-        # An adaptive depth starts at 16, clipped to its bound.
-        assert (io_depth(kv, "read"), io_depth(kv, "write")) == (2, 6)
+        # These chunks are small: an adaptive depth starts at 4 (16 for 256 KiB and up).
+        assert (io_depth(kv, "read"), io_depth(kv, "write")) == (2, 4)
         # Enough stores for several windows: where the depth goes depends on this
         # machine's disk, but it stays in bounds and the gauge says where it is.
         for round_index in range(4):
