@@ -472,7 +472,7 @@ class KVTier(AsyncResource):
                 break
             # Room may come from work in flight, or be there already: a cascade that
             # ended after the refusal (the wait from the mark then ends at once).
-            completed = manager.host.completion_mark != mark
+            completed = manager.host.completed_since(mark)
             if not (self._copies or completed or manager.has_pending_work()):
                 return None
             if not await self._wait(deadline, mark):

@@ -594,7 +594,7 @@ class PageStore(BlockingResource):
         copying out of pinned slots), or a session keeping promoted slots for its load."""
         manager = self.manager
         return (
-            manager.host.completion_mark != since
+            manager.host.completed_since(since)
             or manager.has_pending_work()
             or self._gate.active > 1
             or bool(self._sessions)

@@ -165,6 +165,10 @@ class HostAccess:
         between the check and the wait then ends the wait at once."""
         return self._completions.seq
 
+    def completed_since(self, mark: int) -> bool:
+        """Whether anything completed after the :attr:`completion_mark` ``mark``."""
+        return self._completions.seq != mark
+
     async def wait_for_completions(self, since: int | None = None) -> None:
         """Resolve once a job, lookup or store finished after ``since`` (a
         :attr:`completion_mark`; None: after this call), or at once if an outcome
