@@ -108,6 +108,7 @@ from serving_path import Copy, CopyThread, Scheduler, Waiting
 from vllm_offline import offloading_config
 
 from kvtier.bench import physical
+from kvtier.format import HEADER_BYTES
 from kvtier.records import TransferResult
 
 # Importing vLLM compiles a few kernels with torch, which warns about its own
@@ -901,7 +902,7 @@ def room_to_keep(args: argparse.Namespace, root: Path) -> bool:
     """
     passes = 2 * len(raw_depths(args.raw_threads)) + args.runs * len(args.sides)
     chunks = args.requests * args.job_chunks
-    need = passes * chunks * (args.chunk_bytes + 4096)  # kvtier's files carry a header page
+    need = passes * chunks * (args.chunk_bytes + HEADER_BYTES)  # kvtier's header page
     return shutil.disk_usage(root).free > need * 1.05 + common.GIB
 
 
