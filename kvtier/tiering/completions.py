@@ -1,6 +1,8 @@
 """The completion queue: outcomes in from any thread, applied under the manager's lock.
 
-The manager drains the queue at its poll points. :class:`OutcomeServer` also applies
+Tier coroutines never touch manager state: whatever they have to say goes into the
+completion queue as one of the outcome records below, and the tiering core applies them
+under the manager's lock at its poll points. :class:`OutcomeServer` also applies
 outcomes on the tier loop soon after they are posted, so a tier waiting for pins, or a
 host waiting for a completion, needs no scheduler step to move on.
 """
@@ -11,13 +13,108 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Union
 
+from kvtier.keys import OffloadKey
 from kvtier.resources import resolve_threadsafe
+from kvtier.tiering.ledger import Holder
 from kvtier.tiering.loop import TierLoop
-from kvtier.tiering.outcomes import Outcome
+from kvtier.tiers.base import JobResult, TransferJob
 
-__all__ = ["CompletionQueue", "OutcomeServer"]
+__all__ = [
+    "CompletionQueue",
+    "JobOutcome",
+    "JobReleased",
+    "LookupOutcome",
+    "Outcome",
+    "OutcomeServer",
+    "PinRequest",
+    "SettleSlots",
+    "TierPins",
+    "UnpinRequest",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupOutcome:
+    """A batch of async lookups ended."""
+
+    runner: int
+    keys: tuple[OffloadKey, ...]
+    #: One answer per key, or None when the lookup failed or timed out.
+    answers: tuple[bool, ...] | None
+    elapsed: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """A store or load job ended, or timed out."""
+
+    runner: int
+    job: TransferJob
+    result: JobResult
+    #: Seconds from submission (queueing included) to the outcome.
+    elapsed: float
+    #: False when the job timed out and the tier may still use its slots.
+    released: bool
+
+
+@dataclass(frozen=True, slots=True)
+class JobReleased:
+    """The coroutine of a job that timed out has returned (a late completion)."""
+
+    runner: int
+    job: TransferJob
+
+
+@dataclass(frozen=True, slots=True)
+class SettleSlots:
+    """Time to look again whether late I/O still touches the slots kept for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PinRequest:
+    """A tier asks to pin readable primary slots by key (pinned reads, p2p)."""
+
+    holder: Holder
+    keys: tuple[OffloadKey, ...]
+    future: asyncio.Future[dict[OffloadKey, memoryview]]
+
+
+@dataclass(frozen=True, slots=True)
+class UnpinRequest:
+    """A tier releases pins a :class:`PinRequest` took."""
+
+    holder: Holder
+    keys: tuple[OffloadKey, ...]
+
+
+Outcome = Union[  # noqa: UP007 - a runtime alias on Python 3.10
+    LookupOutcome, JobOutcome, JobReleased, PinRequest, UnpinRequest, SettleSlots
+]
+
+
+class TierPins:
+    """What a tier's :class:`~kvtier.tiers.base.PrimaryAccess` is bound to: its pin and
+    unpin requests travel to the manager through the completion queue, since the
+    primary tier has one writer; they are served under the manager's lock and the pins
+    are held in the slot ledger under the tier's name. Called on any thread."""
+
+    def __init__(self, holder: Holder, post: Callable[[Outcome], None]) -> None:
+        self._holder = holder
+        self._post = post
+
+    def request_pins(
+        self,
+        keys: tuple[OffloadKey, ...],
+        future: asyncio.Future[dict[OffloadKey, memoryview]],
+    ) -> None:
+        self._post(PinRequest(self._holder, keys, future))
+
+    def release_pins(self, keys: tuple[OffloadKey, ...]) -> None:
+        self._post(UnpinRequest(self._holder, keys))
+
 
 # How soon the tier loop tries again to apply outcomes when the host holds the lock:
 # the host's own calls drain them anyway; this bounds the wait of an idle host.

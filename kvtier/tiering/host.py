@@ -9,63 +9,52 @@ a request holds are the slot ledger's record, so a host keeps no ledger of its o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from contextlib import AbstractContextManager
-from typing import Any
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from kvtier.keys import OffloadKey
-from kvtier.primary import PrimaryTier
 from kvtier.records import LookupResult, ReqContext
-from kvtier.tiering.admission import Deadlines, PromotionCosts
-from kvtier.tiering.completions import CompletionQueue
-from kvtier.tiering.ledger import Holder, SlotLedger
-from kvtier.tiering.lookups import PrefixLookup
-from kvtier.tiering.promotions import Promotions
+from kvtier.tiering.core import TieringCore
+from kvtier.tiering.ledger import Holder
 
-__all__ = ["HostAccess"]
+__all__ = ["HostAccess", "PrefixLookup"]
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 
-_Lookup = Callable[
-    [OffloadKey, str, "Collection[OffloadKey] | None", "frozenset[str] | None"], LookupResult
-]
+
+@dataclass(frozen=True, slots=True)
+class PrefixLookup:
+    """What one :meth:`HostAccess.lookup_prefix` call found."""
+
+    #: Keys readable now, pinned for the request, with their slots.
+    pinned: dict[OffloadKey, int]
+    #: Whether some key before the first miss is still on its way (written, promoted,
+    #: or asked of a tier): worth waiting for.
+    pending: bool
+    #: :attr:`HostAccess.completion_mark` as the lookup began: wait with it, and what
+    #: completes between this answer and the wait is not missed.
+    mark: int
 
 
 class HostAccess:
-    """The manager's face for a host: prefixes, pins held, waiting, deadlines, costs."""
+    """The manager's face for a host: prefixes, pins held, waiting, deadlines, costs.
 
-    def __init__(
-        self,
-        lock: AbstractContextManager[Any],
-        poll: Callable[[], None],
-        lookup: _Lookup,
-        ledger: SlotLedger,
-        primary: PrimaryTier,
-        completions: CompletionQueue,
-        step: Callable[[bool], bool],
-        promotions: Promotions,
-        costs: PromotionCosts,
-        deadlines: Deadlines,
-        *,
-        has_tiers: bool,
-    ) -> None:
-        self._promotions = promotions
-        self._costs = costs
-        self._deadlines = deadlines
-        self._lock = lock
-        self._poll = poll
-        self._lookup = lookup
-        self._ledger = ledger
-        self._primary = primary
-        self._completions = completions
-        self._step = step
-        self._has_tiers = has_tiers
+    It calls down to the tiering core (:mod:`~kvtier.tiering.core`), as the scheduler
+    protocol does.
+    """
+
+    def __init__(self, core: TieringCore) -> None:
+        self._core = core
+        self._lock = core.lock
+        self._ledger = core.ledger
+        self._primary = core.primary
+        self._completions = core.completions
 
     @property
     def recompute_s_per_chunk(self) -> float | None:
         """The recompute cost promotions are weighed against (None: always promote)."""
-        return self._costs.recompute_s_per_chunk
+        return self._core.costs.recompute_s_per_chunk
 
     def set_recompute_cost(self, seconds_per_chunk: float | None) -> None:
         """What recomputing one chunk costs the host (prefill seconds, updated as it
@@ -78,28 +67,29 @@ class HostAccess:
         if seconds_per_chunk is not None and not seconds_per_chunk > 0:
             raise ValueError(f"seconds_per_chunk must be > 0 or None, got {seconds_per_chunk!r}")
         with self._lock:
-            self._costs.recompute_s_per_chunk = seconds_per_chunk
+            self._core.costs.recompute_s_per_chunk = seconds_per_chunk
 
     def expire_pending(self, req: ReqContext) -> None:
         """Stop waiting for the request's pending chunks: they are misses for it from
         now on, its promotions not started yet free their slots, and those that finish
         later are not kept for it."""
         with self._lock:
-            self._deadlines.expire(req.req_id)
-            self._promotions.drop_request(req.req_id)
+            self._core.expire(req.req_id)
 
     def pending_remaining_s(self, req: ReqContext) -> float | None:
         """Seconds before the request's pending chunks become misses (its deadline:
         ``max_pending_s``, or what its promotions are worth waiting for once the
         recompute cost is known); None while nothing bounds its wait."""
         with self._lock:
-            return self._deadlines.remaining_s(req.req_id)
+            return self._core.requests.remaining_s(req.req_id)
 
     def load_source(self, key: OffloadKey, req: ReqContext) -> str | None:
         """The label of the secondary tier that promoted ``key`` for the request; None if
         the request found it in the primary tier (or has finished since)."""
         with self._lock:
-            return self._promotions.source_of(key, req.req_id)
+            request = self._core.requests.get(req.req_id)
+            tier = None if request is None else request.sources.get(key)
+            return None if tier is None else self._core.tiers[tier].label
 
     @property
     def num_chunks(self) -> int:
@@ -116,19 +106,21 @@ class HostAccess:
         asked) make the answer pending. Promotions started here never evict a key of
         ``keys``.
         """
+        core = self._core
         with self._lock:
             mark = self._completions.seq
-            self._poll()
+            core.poll()
             req_id = req.req_id
             holder = Holder.request(req_id)
             held = self._ledger.holds
-            prefix = set(keys) if self._has_tiers else None
+            lookup = core.lookup
+            prefix = set(keys) if core.tiers else None
             readable: list[OffloadKey] = []
             pending = False
             for key in keys:
                 if held(holder, key):
                     continue
-                result = self._lookup(key, req_id, prefix, req.load_tiers)
+                result = lookup(key, req_id, prefix, req.load_tiers)
                 if result is _HIT:
                     readable.append(key)
                 elif result is _MISS:
@@ -155,7 +147,7 @@ class HostAccess:
     def readable_prefix(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` are readable in the primary tier right now."""
         with self._lock:
-            self._poll()
+            self._core.poll()
             return self._primary.readable_prefix(keys)
 
     @property
@@ -190,12 +182,4 @@ class HostAccess:
         """Resolve once no job or lookup is in flight; with ``include_tier_pins`` once
         no tier pins a slot either, with ``include_late`` once no job that timed out
         still runs."""
-        while True:
-            seq = self._completions.seq
-            busy = self._step(include_late)
-            if include_tier_pins and not busy:
-                with self._lock:
-                    busy = self._ledger.any_pins("tier")
-            if not busy:
-                return
-            await self._completions.wait(seq)
+        await self._core.settle(include_tier_pins=include_tier_pins, include_late=include_late)

@@ -13,16 +13,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import Names
-from kvtier.primary import PrimaryTier
-from kvtier.tiering.backpressure import Backpressure
-from kvtier.tiering.ledger import Holder, SlotLedger
-from kvtier.tiering.outcomes import JobOutcome
-from kvtier.tiering.stats import Counts
+from kvtier.tiering.ledger import Holder
 from kvtier.tiers.base import TransferJob
+
+if TYPE_CHECKING:
+    from kvtier.tiering.completions import JobOutcome
+    from kvtier.tiering.core import TieringCore
 
 __all__ = ["InFlight", "JobTable", "PromotionEnded"]
 
@@ -70,20 +70,12 @@ class _Job:
 class JobTable:
     """Every job in flight, and what its outcome does to the primary tier."""
 
-    def __init__(
-        self,
-        primary: PrimaryTier,
-        ledger: SlotLedger,
-        chunk_bytes: int,
-        counts: Sequence[Counts],
-        backpressure: Sequence[Backpressure | None],
-    ) -> None:
-        self._primary = primary
-        self._ledger = ledger
-        self._chunk_bytes = chunk_bytes
-        self._counts = counts
-        self._backpressure = backpressure
-        self.in_flight = [InFlight() for _ in counts]
+    def __init__(self, core: TieringCore) -> None:
+        self._primary = core.primary
+        self._ledger = core.ledger
+        self._chunk_bytes = core.chunk_bytes
+        self._tiers = core.tiers
+        self.in_flight = [InFlight() for _ in core.tiers]
         self._jobs: dict[int, _Job] = {}
         #: Jobs that timed out and whose coroutine has not returned yet.
         self.late: set[int] = set()
@@ -101,7 +93,7 @@ class JobTable:
     ) -> TransferJob | None:
         """A store job of readable ``keys`` to a tier (pinned for the job), unless
         back-pressure drops it."""
-        backpressure = self._backpressure[tier]
+        backpressure = self._tiers[tier].backpressure
         if backpressure is not None and not backpressure.admit(len(keys)):
             return None
         job_id = self._new_id()
@@ -163,7 +155,7 @@ class JobTable:
         if outcome.released:
             self._primary.complete_write(loaded, True)
             self._primary.complete_write(failed, False)
-        counts = self._counts[entry.tier]
+        counts = self._tiers[entry.tier].counts
         if not result.success:
             counts.counters[Names.PROMOTION_JOB_FAILURES] += 1
         if loaded:
@@ -184,13 +176,14 @@ class JobTable:
             # Timed out: the tier may still read the slots; they stay pinned for its I/O.
             self._ledger.io_gave_up(job.job_id, ())
         nbytes = _or(result.transfer_bytes, len(job.keys) * self._chunk_bytes)
-        counts = self._counts[entry.tier]
+        state = self._tiers[entry.tier]
+        counts = state.counts
         if result.success:
             counts.counters[Names.WRITE_BYTES] += nbytes
             counts.counters[Names.WRITE_TIME] += _or(result.transfer_time, outcome.elapsed)
         else:
             counts.counters[Names.CASCADE_JOB_FAILURES] += 1
-        backpressure = self._backpressure[entry.tier]
+        backpressure = state.backpressure
         if backpressure is not None:
             backpressure.record(outcome.elapsed, nbytes, failed=not result.success)
 

@@ -21,6 +21,7 @@ never handed out. Everything here runs under the manager's lock.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -29,44 +30,59 @@ from kvtier.keys import OffloadKey, format_key
 from kvtier.primary import PrimaryTier
 from kvtier.region import PrimaryView
 
-__all__ = ["HOST_COPIES", "Holder", "SlotLedger"]
+__all__ = ["HOST_COPIES", "Holder", "HolderKind", "SlotLedger"]
+
+
+class HolderKind(str, enum.Enum):
+    """The kinds of holder of primary slots (the module's docstring says each one's
+    part). A ``str`` enum: a :class:`Holder` of it still hashes in C."""
+
+    REQUEST = "request"
+    RESERVED = "reserved"
+    JOB = "job"
+    TIER = "tier"
+    IO = "io"
+    HOST = "host"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Holder(NamedTuple):
     """One holder of primary slots: its kind and its name within the kind.
 
-    A tuple of two plain values, so that the scheduler's hot paths hash it in C.
+    A tuple of two values that hash in C, for the scheduler's hot paths.
     """
 
-    kind: str
+    kind: HolderKind
     name: str | int
 
     @classmethod
     def request(cls, req_id: str) -> Holder:
-        return cls("request", req_id)
+        return cls(HolderKind.REQUEST, req_id)
 
     @classmethod
     def reserved(cls, req_id: str) -> Holder:
-        return cls("reserved", req_id)
+        return cls(HolderKind.RESERVED, req_id)
 
     @classmethod
     def job(cls, job_id: int) -> Holder:
-        return cls("job", job_id)
+        return cls(HolderKind.JOB, job_id)
 
     @classmethod
     def tier(cls, label: str) -> Holder:
-        return cls("tier", label)
+        return cls(HolderKind.TIER, label)
 
     @classmethod
     def io(cls, job_id: int) -> Holder:
-        return cls("io", job_id)
+        return cls(HolderKind.IO, job_id)
 
     def __str__(self) -> str:
         return f"{self.kind} {self.name!r}"
 
 
 #: The host's copies in flight at a reset it flushes later (vLLM's).
-HOST_COPIES = Holder("host", "copies")
+HOST_COPIES = Holder(HolderKind.HOST, "copies")
 
 
 class SlotLedger:
@@ -158,6 +174,11 @@ class SlotLedger:
             self._primary.complete_load(released)
         return released
 
+    def release_request(self, req_id: str) -> bool:
+        """Release every pin a request holds, read or reserved for it; whether any."""
+        released = self.release_all(Holder.reserved(req_id))
+        return bool(self.release_all(Holder.request(req_id))) or bool(released)
+
     def release_all(self, holder: Holder) -> list[OffloadKey]:
         """Release every pin of ``holder``; the keys (one entry per pin)."""
         held = self._pins.pop(holder, None)
@@ -200,7 +221,7 @@ class SlotLedger:
         held = self._pins.get(holder)
         return held is not None and key in held
 
-    def any_pins(self, kind: str) -> bool:
+    def any_pins(self, kind: HolderKind) -> bool:
         """Whether a holder of ``kind`` pins anything."""
         return any(holder.kind == kind for holder in self._pins)
 
@@ -219,7 +240,7 @@ class SlotLedger:
         slots = self.kept_slots()
         slot_of = self._primary.slot_of
         for holder, held in self._pins.items():
-            if holder.kind == "io":
+            if holder.kind is HolderKind.IO:
                 slots.update(slot for key in held if (slot := slot_of(key)) is not None)
         return len(slots)
 
@@ -253,9 +274,9 @@ class SlotLedger:
         more; whether any ``io`` holder still keeps something."""
         holders = [holder] if holder is not None else [*self._kept, *self._pins]
         for each in holders:
-            if each.kind == "io":
+            if each.kind is HolderKind.IO:
                 self._settle_io(each)
-        return any(h.kind == "io" for h in (*self._kept, *self._pins))
+        return any(h.kind is HolderKind.IO for h in (*self._kept, *self._pins))
 
     def _settle_io(self, holder: Holder) -> None:
         in_use = self._in_use
@@ -297,7 +318,7 @@ class SlotLedger:
         :meth:`release_host_copies`.
         """
         primary = self._primary
-        for holder in [h for h in self._pins if h.kind == "io"]:
+        for holder in [h for h in self._pins if h.kind is HolderKind.IO]:
             held = self._pins.pop(holder)
             self.keep((s for key in held if (s := primary.slot_of(key)) is not None), holder)
         if hold_host_copies:

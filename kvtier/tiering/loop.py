@@ -11,6 +11,13 @@ each blocking method of the manager is one line over its async twin (``close()``
 well, derived by :mod:`kvtier.resources` as for every resource). A manager without
 secondary tiers has no loop; its async methods other than ``aclose`` never suspend,
 and :func:`run_inline` runs them to the end on the calling thread.
+
+:class:`Lifecycle` starts and closes the manager: once each, on the tier loop, whoever
+asks. A synchronous host starts and closes it from its scheduler thread, an async host
+from its own loop, and a facade may do either from a loop that is not the tiers' one;
+every caller awaits the one run. Closing hands the close to the tier loop and then,
+back on the caller's side, closes a loop thread the manager owns (which cannot be
+stopped from on it).
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
-from kvtier.resources import BlockingResource
+from kvtier.resources import AsyncResource, BlockingResource, Once
 
-__all__ = ["HostLoop", "LoopThread", "TierLoop", "run_inline"]
+__all__ = ["HostLoop", "Lifecycle", "LoopThread", "TierLoop", "run_inline"]
 
 _T = TypeVar("_T")
+
+_Step = Callable[[], Coroutine[Any, Any, None]]
 
 
 class TierLoop(BlockingResource):
@@ -150,3 +159,70 @@ def run_inline(fn: Callable[[], Awaitable[_T]]) -> _T:
         return done.value  # type: ignore[no-any-return]
     coro.close()
     raise RuntimeError("a manager without an event loop was asked to wait for something")
+
+
+class Lifecycle(AsyncResource):
+    """When the manager may work: started, closing, released.
+
+    ``start`` brings the tiers up; ``close`` drains and closes them. :attr:`closed`
+    turns True when closing begins or a start fails, and stays so: the manager then
+    submits no new tier work. :attr:`released` turns True once the loop is given back.
+    """
+
+    def __init__(self, loop: TierLoop | None, start: _Step, close: _Step) -> None:
+        self._loop = loop
+        self._start_fn = start
+        self._close_fn = close
+        self._starting = Once(self._start)
+        self._closing = Once(self._close)
+        self.started = loop is None
+        self.closed = False
+        self.released = False
+
+    async def start(self) -> None:
+        if not self.started:
+            await self.on_loop(self._starting)
+
+    def start_blocking(self, timeout: float | None = None) -> None:
+        self.block_on(self.start, timeout)
+
+    async def _start(self) -> None:
+        try:
+            await self._start_fn()
+        except BaseException:
+            self.closed = True
+            raise
+        self.started = True
+
+    async def wait_started(self) -> None:
+        """Wait for a start that has begun to end, whatever its outcome."""
+        await self._starting.wait()
+
+    async def aclose(self) -> None:
+        """Close on the tier loop (once, whoever asks), then release the loop."""
+        if self.released:
+            return
+        await self.on_loop(self._closing)
+        self.released = True
+        loop = self._loop
+        if loop is not None and not loop.in_loop_thread():
+            await loop.aclose()
+
+    async def _close(self) -> None:
+        self.closed = True
+        await self._close_fn()
+
+    async def on_loop(self, fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+        """Await ``fn()`` on the tier loop, whichever loop the caller is on (on the
+        caller's when there is no tier loop)."""
+        if self._loop is None:
+            return await fn()
+        return await self._loop.run_async(fn)
+
+    def block_on(
+        self, fn: Callable[[], Coroutine[Any, Any, _T]], timeout: float | None = None
+    ) -> _T:
+        """Run ``fn()`` on the tier loop and block this thread until it returns."""
+        if self._loop is None:
+            return run_inline(fn)
+        return self._loop.run(fn, timeout)

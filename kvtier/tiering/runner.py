@@ -24,7 +24,7 @@ import anyio
 from kvtier._logs import ThrottledLog
 from kvtier.keys import OffloadKey
 from kvtier.resources import AsyncResource, TaskSet
-from kvtier.tiering.outcomes import JobOutcome, JobReleased, LookupOutcome, Outcome
+from kvtier.tiering.completions import JobOutcome, JobReleased, LookupOutcome, Outcome
 from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
 
 __all__ = ["RunnerSettings", "TierRunner", "start_in_order"]

@@ -11,7 +11,7 @@ from tiering_helpers import HIT, MISS, PENDING, evict_all, fill, opened, resolve
 
 from kvtier import ReqContext
 from kvtier.metrics import Names
-from kvtier.tiering.admission import EXPLORE_SHARE, STALE_AFTER_S, PromotionCosts
+from kvtier.tiering.promotions import EXPLORE_SHARE, STALE_AFTER_S, PromotionCosts
 
 pytestmark = pytest.mark.anyio
 

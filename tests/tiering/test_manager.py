@@ -14,6 +14,7 @@ from tiering_helpers import (
     MISS,
     PENDING,
     RETRY,
+    WRITER,
     evict_all,
     fill,
     opened,
@@ -539,6 +540,37 @@ async def test_a_request_finished_while_its_promotion_waits_frees_its_slots(engi
         assert all(manager.primary.slot_of(key) is None for key in second)
         assert manager.primary.num_busy == 2  # a's chunks, kept until it loads
         assert not manager.has_pending_work()
+
+
+async def test_a_finished_request_leaves_no_record_behind(engine_id):
+    tiers = [scripted("asked"), {"type": "example"}]
+    async with opened(engine_id, tiers, chunks=8, max_pending_s=60.0) as manager:
+        stored, unknown = keys("stored", 2), keys("unknown", 2)
+        fill(manager, stored)
+        await settle(manager)
+        await evict_all(manager, 8)
+        manager.host.set_recompute_cost(1.0)
+        req = ReqContext("everything")
+        # Answers kept, a deadline running, promotions with a turn and sources, pins.
+        assert [await resolve(manager, key, req) for key in stored] == [HIT, HIT]
+        assert [await resolve(manager, key, req) for key in unknown] == [MISS, MISS]
+        assert manager.host.pending_remaining_s(req) is not None
+        assert manager.host.load_source(stored[0], req) == "2:example"
+        manager.prepare_load(stored, req)
+        out = manager.prepare_store(keys("written", 1), req)
+        assert out is not None and manager.diagnostics.tracked_requests >= 1
+        manager.on_request_finished(req)  # a store still in flight: the record waits
+        assert manager.diagnostics.tracked_requests >= 1
+        manager.complete_store(out.keys_to_store, req)
+        manager.on_request_finished(WRITER)
+        manager.on_request_finished(ReqContext("filler"))
+        await settle(manager)
+        assert manager.diagnostics.tracked_requests == 0
+        assert manager.host.load_source(stored[0], req) is None
+        assert manager.host.pending_remaining_s(req) is None
+        # Nothing pins a slot for it any more: a store may take every slot.
+        evicted = manager.prepare_store(keys("after", 8), ReqContext("after"))
+        assert evicted is not None and len(evicted.keys_to_store) == 8
 
 
 async def test_a_lookup_that_times_out_is_a_miss_counted_as_a_lookup_failure(engine_id):

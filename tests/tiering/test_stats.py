@@ -9,7 +9,7 @@ from scripted_tier import ScriptedTier
 from kvtier import LookupResult, OffloadingSpecFactory, ReqContext
 from kvtier.metrics import Names
 from kvtier.tiering.loop import HostLoop
-from kvtier.tiering.stats import Counts, Reservoir
+from kvtier.tiering.reporting import Counts, Reservoir
 
 
 def test_a_reservoir_below_its_capacity_holds_every_value_in_order():
