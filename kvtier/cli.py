@@ -218,7 +218,9 @@ class _StderrLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         from kvtier._logs import describe_error
 
-        text = f"kvtier: {record.getMessage()}"
+        # The first line: a failure's traceback follows it in the message.
+        first_line = record.getMessage().split("\n", 1)[0]
+        text = f"kvtier: {first_line}"
         if record.exc_info and record.exc_info[1] is not None:
             text += f": {describe_error(record.exc_info[1])}"
         # sys.stderr as it is now: a host (or a test) may have replaced it.

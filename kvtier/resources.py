@@ -42,6 +42,8 @@ from typing import Any, ClassVar, TypeVar
 
 import anyio.to_thread
 
+from kvtier._logs import describe_failure
+
 __all__ = [
     "AsyncResource",
     "BlockingResource",
@@ -182,15 +184,19 @@ def close_all(label: str, parts: Iterable[Resource]) -> None:
 async def _aclose_one(label: str, part: Resource) -> None:
     try:
         await part.aclose()
-    except Exception:
-        logger.exception("%s: %r failed to close; closing the rest", label, part)
+    except Exception as exc:
+        logger.error(
+            "%s: %r failed to close; closing the rest: %s", label, part, describe_failure(exc)
+        )
 
 
 def _close_one(label: str, part: Resource) -> None:
     try:
         part.close()
-    except Exception:
-        logger.exception("%s: %r failed to close; closing the rest", label, part)
+    except Exception as exc:
+        logger.error(
+            "%s: %r failed to close; closing the rest: %s", label, part, describe_failure(exc)
+        )
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -250,7 +256,8 @@ class TaskSet:
             return
         error = task.exception()
         if error is not None and self._log_failures:
-            logger.error("%s: task %s failed", self._label, task.get_name(), exc_info=error)
+            name = task.get_name()
+            logger.error("%s: task %s failed: %s", self._label, name, describe_failure(error))
 
     # ASYNC109: the timeout's outcome is returned, not raised, so no cancel scope would do.
     async def wait(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
 
-from kvtier._logs import ThrottledLog, describe_error
+import pytest
+import torch
+from helpers import keys, store_all, tiering_config
+
+from kvtier import KVTier
+from kvtier._logs import ThrottledLog, describe_error, describe_failure
+from kvtier.tiers.fs import FileSystemTier
 
 logger = logging.getLogger("kvtier.test.logs")
 
@@ -41,3 +52,117 @@ def test_describe_error_is_one_line_with_the_type():
         "ConnectionResetError: peer went away"
     )
     assert describe_error(EOFError()) == "EOFError"
+
+
+class Row:
+    """Stands for a row of the region: something a failing frame holds."""
+
+
+def write(row: Row) -> None:
+    raise OSError(errno.EIO, "the disk went away")
+
+
+def test_a_failure_is_logged_as_text_with_its_traceback_and_no_exc_info(caplog):
+    log = ThrottledLog(logger, "tier 1:fs")
+    try:
+        write(Row())
+    except OSError as exc:
+        log.warning("store failure", "store job %d failed", 7, exc_info=exc)
+    [record] = caplog.records
+    assert record.exc_info is None
+    first, *rest = record.getMessage().splitlines()
+    assert first == "tier 1:fs: store job 7 failed: OSError: [Errno 5] the disk went away"
+    assert rest[0] == "Traceback (most recent call last):"
+    assert any("in write" in line for line in rest)
+
+
+def test_a_logged_failure_lets_go_of_what_its_frames_held():
+    row = Row()
+    alive = weakref.ref(row)
+    try:
+        write(row)
+    except OSError as exc:
+        failure = exc
+    del row
+    assert alive() is not None  # the traceback's frame of write() holds it
+    describe_failure(failure)
+    assert alive() is None
+    assert failure.__traceback__ is not None  # the frames stay, without their locals
+
+
+def test_frames_of_a_chained_exception_let_go_too():
+    row = Row()
+    alive = weakref.ref(row)
+    try:
+        try:
+            write(row)
+        except OSError as exc:
+            raise RuntimeError("the store failed") from exc
+    except RuntimeError as exc:
+        failure = exc
+    del row
+    assert "the disk went away" in describe_failure(failure)
+    assert alive() is None
+
+
+# ------------------------------------------------- failures kept by a log handler
+
+
+class NoSpaceTier(FileSystemTier):
+    """An fs tier on a full disk: every write syscall fails with ENOSPC."""
+
+    @staticmethod
+    def _pwritev(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class KeptRecords(logging.Handler):
+    """Keeps every record, as pytest's capture, a MemoryHandler or an error tracker do."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def kept_records() -> Iterator[KeptRecords]:
+    handler = KeptRecords()
+    library = logging.getLogger("kvtier")
+    library.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        library.removeHandler(handler)
+
+
+def mapped(path: Path) -> bool:
+    """Whether this process still maps ``path`` (deleted or not)."""
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.anyio
+async def test_a_store_failure_kept_by_a_log_handler_does_not_keep_the_region_mapped(
+    engine_id, tmp_path, kept_records
+):
+    config = tiering_config(
+        engine_id,
+        [{"type": "NoSpaceTier", "module_path": __name__, "root_dir": str(tmp_path)}],
+        chunks=4,
+    )
+    kv_cache = torch.zeros((16, 4096), dtype=torch.uint8)
+    async with KVTier(config, [kv_cache]) as kv:
+        region = kv.manager.region
+        await store_all(kv, keys("full-disk", 4))
+    failures = [r for r in kept_records.records if "failed" in r.getMessage()]
+    assert failures, "the failed cascade was not logged"
+    assert region.closed and not region.mapped
+    assert not mapped(region.path)
+    for record in failures:
+        assert record.exc_info is None
+        text = record.getMessage()
+        assert "Traceback (most recent call last)" in text
+        assert "No space left on device" in text
+        assert "in store" in text  # the tier's frame, by name

@@ -90,8 +90,11 @@ async def test_task_set_logs_a_failed_task_once_unless_told_not_to(caplog):
     quiet.spawn(fail(), name="silent")
     await logged.wait()
     await quiet.wait()
-    messages = [r.getMessage() for r in caplog.records]
-    assert messages == ["logged: task failing failed"]
+    [record] = caplog.records
+    first, *traceback = record.getMessage().splitlines()
+    assert first == "logged: task failing failed: ValueError: broken on purpose"
+    assert traceback[0] == "Traceback (most recent call last):"
+    assert record.exc_info is None  # the text is all the record keeps
 
 
 async def test_once_runs_its_function_once_for_every_caller():

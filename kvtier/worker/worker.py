@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvtier._logs import describe_failure
 from kvtier.errors import KVTierError
 from kvtier.records import TransferResult
 from kvtier.region import SharedOffloadRegion
@@ -363,9 +364,13 @@ class OffloadingWorker(BlockingResource):
             return
         try:
             events = [event for part in parts if (event := self._start(direction, part))]
-        except Exception:
-            logger.exception(
-                "%s job %d of %d chunks failed to start", direction, job_id, num_chunks
+        except Exception as exc:
+            logger.error(
+                "%s job %d of %d chunks failed to start: %s",
+                direction,
+                job_id,
+                num_chunks,
+                describe_failure(exc),
             )
             report(TransferResult(job_id, False, nbytes, time.perf_counter() - started))
             return
