@@ -71,6 +71,9 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Joiners poll the header while the creator sizes and prefaults the region. Prefaulting
 # runs at ~1-3 GB/s here, so tens of GiB take seconds; 5 ms polls cost nothing.
 _JOIN_POLL_S = 0.005
+# A warning names this many slots still in use: enough to look one up, few enough for
+# one line whatever the region's size.
+_SLOTS_NAMED = 8
 
 
 def region_path(engine_id: str, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> Path:
@@ -131,6 +134,11 @@ class PrimaryView:
         """Whether a row of ``chunk_id`` handed out earlier is still referenced."""
         return self._live[chunk_id] > 0
 
+    def slots_in_use(self) -> list[int]:
+        """The slots of which a row handed out earlier is still referenced."""
+        with self._lock:
+            return [chunk_id for chunk_id, live in enumerate(self._live) if live]
+
     def __iter__(self) -> Iterator[memoryview]:
         for chunk_id in range(self.num_rows):
             yield self[chunk_id]
@@ -187,6 +195,8 @@ class SharedOffloadRegion(BlockingResource):
         self.is_creator = False
         self._fd: int | None = None
         self._mmap: mmap.mmap | None = None
+        # A mapping that close() could not unmap, while views of it keep it alive.
+        self._left_mapped: weakref.ref[mmap.mmap] | None = None
         self._view: memoryview | None = None
         self._data: memoryview | None = None
         self._rows: memoryview | None = None
@@ -227,6 +237,14 @@ class SharedOffloadRegion(BlockingResource):
     @property
     def closed(self) -> bool:
         return self._mmap is None
+
+    @property
+    def mapped(self) -> bool:
+        """Whether this process maps the region: until close, and after it while views
+        handed out earlier are still referenced (the mapping goes with the last)."""
+        if self._mmap is not None:
+            return True
+        return self._left_mapped is not None and self._left_mapped() is not None
 
     @property
     def rows(self) -> memoryview:
@@ -283,6 +301,7 @@ class SharedOffloadRegion(BlockingResource):
         handed out earlier must not be used afterwards.
         """
         self._column = None
+        slots_in_use = [] if self._primary_view is None else self._primary_view.slots_in_use()
         for view in (self._rows, self._data, self._view):
             if view is not None:
                 with contextlib.suppress(BufferError):
@@ -295,8 +314,15 @@ class SharedOffloadRegion(BlockingResource):
             try:
                 self._mmap.close()
             except BufferError:
-                # A caller still holds a view; the mapping goes when that view does.
-                logger.debug("region %s still has live views at close", self.path)
+                # The mapping goes when the last view of it does.
+                self._left_mapped = weakref.ref(self._mmap)
+                logger.warning(
+                    "region %s stays mapped after close (%.2f GiB): %s still referenced; "
+                    "a traceback kept by an exception or a log record may hold them",
+                    self.path,
+                    self.nbytes / 2**30,
+                    self._holders(slots_in_use),
+                )
             self._mmap = None
         if self._fd is not None:
             if self._seat is not None:
@@ -309,6 +335,14 @@ class SharedOffloadRegion(BlockingResource):
                 self._unlink_if_ours()
             os.close(self._fd)
             self._fd = None
+
+    def _holders(self, slots_in_use: list[int]) -> str:
+        """What may still hold views of the mapping, as far as this side knows."""
+        if not slots_in_use:
+            return "views of its mapping are"
+        shown = ", ".join(str(slot) for slot in slots_in_use[:_SLOTS_NAMED])
+        more = ", ..." if len(slots_in_use) > _SLOTS_NAMED else ""
+        return f"{len(slots_in_use)} row view(s) handed to tiers (slots {shown}{more}) are"
 
     def __repr__(self) -> str:
         side = "scheduler" if self.rank is None else f"rank {self.rank}"

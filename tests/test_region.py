@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import signal
 import stat
+from pathlib import Path
 
 import pytest
 import region_procs
@@ -172,6 +173,36 @@ def test_views_are_gone_after_close(engine_id):
     region.close()
     with pytest.raises(RegionError, match="closed"):
         _ = region.primary_view
+
+
+def mapped_by_this_process(region: SharedOffloadRegion) -> bool:
+    return str(region.path) in Path("/proc/self/maps").read_text()
+
+
+def test_close_unmaps_the_region(engine_id):
+    region = open_region(engine_id, None)
+    region.close()
+    assert not region.mapped
+    assert not mapped_by_this_process(region)
+
+
+def test_a_region_a_row_view_keeps_mapped_says_so_at_warning_and_unmaps_with_the_view(
+    engine_id, caplog
+):
+    region = open_region(engine_id, None)
+    row = region.primary_view[3]
+    with caplog.at_level(logging.WARNING, logger="kvtier.region"):
+        region.close()
+    assert region.mapped
+    assert mapped_by_this_process(region)
+    [record] = [r for r in caplog.records if r.name == "kvtier.region"]
+    assert record.levelno == logging.WARNING
+    assert "stays mapped" in record.getMessage()
+    assert "1 row view(s) handed to tiers (slots 3)" in record.getMessage()
+    assert "log record" in record.getMessage()
+    del row
+    assert not region.mapped
+    assert not mapped_by_this_process(region)
 
 
 # --------------------------------------------------------- real processes
