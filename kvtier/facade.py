@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -16,8 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.config import OffloadingConfig
 from kvtier.errors import KVTierError
+from kvtier.hosts.fence import Fence
+from kvtier.hosts.requests import Claim, Request, Requests
+from kvtier.hosts.stores import StoreRoom
+from kvtier.hosts.waits import Step, step_until
 from kvtier.keys import OffloadKey
-from kvtier.records import ReqContext
+from kvtier.records import PrepareStoreOutput, ReqContext
 from kvtier.region import DEFAULT_SHM_DIR
 from kvtier.resources import AsyncResource, TaskSet
 from kvtier.specs.base import OffloadingSpec
@@ -32,73 +34,6 @@ __all__ = ["KVTier"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-@dataclass(eq=False)
-class _Request:
-    """A request the facade has seen (the slots it pins are the manager's record)."""
-
-    #: Finished (or swept away by a reset): its pins are released, it takes no more.
-    ended: bool = False
-    #: Keys the request said it computes (``lookup(claim=True)``), until it stores them.
-    claims: set[OffloadKey] = field(default_factory=set)
-
-
-@dataclass(eq=False)
-class _Claim:
-    """A request computing a chunk that others may wait for instead of computing it."""
-
-    owner: str
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class _Fence:
-    """Operations run side by side; a reset or close runs alone.
-
-    An operation (lookup, load, store) enters through :meth:`operation`; while a
-    fence stands, new operations wait for it to go. :meth:`fenced` raises the fence,
-    wakes operations that wait for tier work (they give up), and waits until none is
-    left before its body runs. Fences take turns.
-    """
-
-    def __init__(self) -> None:
-        self.raised = False
-        self._lowered = asyncio.Event()
-        self._lowered.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._active = 0
-        #: Waits of lookups and stores for tier work: cancelled when a fence goes up.
-        self.waits: set[asyncio.Future[Any]] = set()
-
-    @contextlib.asynccontextmanager
-    async def operation(self, check: Callable[[], None]) -> AsyncIterator[None]:
-        while self.raised:
-            await self._lowered.wait()
-        check()
-        self._active += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
-
-    @contextlib.asynccontextmanager
-    async def fenced(self) -> AsyncIterator[None]:
-        while self.raised:
-            await self._lowered.wait()
-        self.raised = True
-        self._lowered.clear()
-        try:
-            for wait in self.waits:
-                wait.cancel()
-            await self._idle.wait()
-            yield
-        finally:
-            self.raised = False
-            self._lowered.set()
 
 
 class KVTier(AsyncResource):
@@ -136,10 +71,9 @@ class KVTier(AsyncResource):
         self._worker: OffloadingWorker | None = None
         #: Copies that must run to their end even if their caller is cancelled.
         self._copies = TaskSet("KVTier", log_failures=False)
-        self._requests: dict[str, _Request] = {}
-        #: Chunks being computed by a request that claimed them, by key.
-        self._claims: dict[OffloadKey, _Claim] = {}
-        self._fence = _Fence()
+        self._requests: Requests | None = None
+        self._stores: StoreRoom | None = None
+        self._fence = Fence()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -171,9 +105,12 @@ class KVTier(AsyncResource):
         self._spec = spec
         self._loop = asyncio.get_running_loop()
         try:
-            self._manager = spec.get_manager(loop=HostLoop())
-            await self._manager.start()
+            manager = self._manager = spec.get_manager(loop=HostLoop())
+            await manager.start()
             self._worker = spec.create_worker(self._kv_caches, engine=self._engine)
+            self._requests = Requests(manager)
+            # Copies in flight hold slots: a load's pins, a store's slots being written.
+            self._stores = StoreRoom(manager, self._requests, in_flight=lambda: bool(self._copies))
         except BaseException:
             self._closed = True
             await spec.aclose()
@@ -203,6 +140,26 @@ class KVTier(AsyncResource):
         return self.manager.metrics.registry
 
     @property
+    def num_chunks(self) -> int:
+        """Chunks the primary tier holds (its slots)."""
+        return self.manager.host.num_chunks
+
+    @property
+    def recompute_s_per_chunk(self) -> float | None:
+        """What recomputing one chunk costs the host, in seconds (None: not known).
+
+        Set it as the host measures its prefill (``PrefixCache.observe_prefill`` does):
+        a secondary hit whose promotion would take longer is a miss, and a
+        :meth:`lookup` waits no longer than recomputing its keys would take. Setting a
+        value that is not a positive number or None raises ``ValueError``.
+        """
+        return self.manager.host.recompute_s_per_chunk
+
+    @recompute_s_per_chunk.setter
+    def recompute_s_per_chunk(self, seconds: float | None) -> None:
+        self.manager.host.set_recompute_cost(seconds)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -220,7 +177,7 @@ class KVTier(AsyncResource):
 
         Waits (without polling) while keys are being promoted or looked up in the
         secondary tiers, at most ``timeout`` seconds, and, once the host's recompute
-        cost is known (``recompute_s_per_chunk``, ``manager.host.set_recompute_cost``),
+        cost is known (:attr:`recompute_s_per_chunk`),
         never longer than recomputing ``keys`` would take, nor, for chunks promoted
         from a tier kvtier has not measured yet, longer than a tenth of recomputing
         them (the promotion goes on and measures the tier): then the chunks still on
@@ -242,26 +199,27 @@ class KVTier(AsyncResource):
             KVTierError: the facade is closed, or was closed while this call waited.
         """
         async with self._fence.operation(self._check_open):
-            request = self._request(req_id)
+            requests = self._require(self._requests)
+            request = requests.of(req_id)
             # Waiting longer than recomputing could only make the request slower. The
             # manager bounds the wait for promotions (pending_remaining_s, in _find);
             # this bounds the rest: a tier still being asked, a slow claimer.
-            recompute = self.manager.host.recompute_s_per_chunk
+            recompute = self.recompute_s_per_chunk
             if recompute is not None:
                 bound = len(keys) * recompute
                 timeout = bound if timeout is None else min(timeout, bound)
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
-                hits = await self._find(keys, request, ReqContext(req_id), deadline)
+                hits = await self._find(keys, request, deadline)
                 if hits == len(keys) or request.ended or self._fence.raised:
                     break
-                other = self._claims.get(keys[hits])
+                other = requests.claimant(keys[hits])
                 if other is None or other.owner == req_id or request.claims:
                     break
                 if not await self._wait_for(other, deadline):
                     break
-            if claim and not request.ended:
-                self._claim(keys[hits:], request, req_id)
+            if claim:
+                requests.claim(request, keys[hits:])
         self._check_open()
         return hits
 
@@ -282,65 +240,39 @@ class KVTier(AsyncResource):
             KVTierError: the facade is closed.
         """
         self._check_open()
-        request = self._requests.get(req_id)
-        if request is None or request.ended:
-            return 0
-        return self._claim(keys, request, req_id)
+        requests = self._require(self._requests)
+        request = requests.get(req_id)
+        return 0 if request is None else requests.claim(request, keys)
 
-    def _claim(self, keys: Sequence[OffloadKey], request: _Request, req_id: str) -> int:
-        claimed = 0
-        for key in keys:
-            if key not in self._claims:
-                self._claims[key] = _Claim(req_id)
-                request.claims.add(key)
-                claimed += 1
-        return claimed
-
-    def _release_claims(self, request: _Request, keys: Iterable[OffloadKey]) -> None:
-        for key in keys:
-            if key in request.claims:
-                request.claims.discard(key)
-                claim = self._claims.pop(key, None)
-                if claim is not None:
-                    claim.done.set()
-
-    async def _wait_for(self, claim: _Claim, deadline: float | None) -> bool:
+    async def _wait_for(self, claim: Claim, deadline: float | None) -> bool:
         """Wait until a claim is released; False past the deadline or once fenced."""
-        await self._fenced_wait(claim.done.wait(), deadline)
+        await self._fence.wait_unless_raised(claim.done.wait(), deadline)
         return claim.done.is_set() and not self._fence.raised
 
     async def _find(
-        self,
-        keys: Sequence[OffloadKey],
-        request: _Request,
-        req: ReqContext,
-        deadline: float | None,
+        self, keys: Sequence[OffloadKey], request: Request, deadline: float | None
     ) -> int:
-        manager = self.manager
-        host = manager.host
-        while True:
-            found = host.lookup_prefix(keys, req)
-            if not found.pending:
-                break
+        manager, fence = self.manager, self._fence
+        host, req = manager.host, request.req
+
+        def step() -> Step:
+            if request.ended or fence.raised or not host.lookup_prefix(keys, req).pending:
+                return Step.DONE
             manager.on_schedule_end()
-            # The manager's deadline for the request: what its promotions are worth
-            # waiting for (a tier not measured yet gets a small part of it).
-            remaining = host.pending_remaining_s(req)
-            bounded = deadline
-            if remaining is not None:
-                ends = time.monotonic() + remaining
-                bounded = ends if deadline is None else min(deadline, ends)
-            waited = await self._wait(bounded, found.mark)
-            if request.ended:
-                return 0  # finished meanwhile: its pins are gone
-            if self._fence.raised:
-                host.release_except(req, ())
-                return 0
-            if not waited:
-                # The deadline passed: the request goes on without what is still on
-                # its way (those chunks are misses now; queued promotions free slots).
-                host.expire_pending(req)
-                break
+            return Step.WAIT
+
+        # The wait ends at the manager's deadline for the request too: what its
+        # promotions are worth waiting for (a tier not measured yet gets a small part).
+        found = await step_until(host, step, deadline=deadline, req=req, fence=fence)
+        if request.ended:
+            return 0  # finished meanwhile: its pins are gone
+        if fence.raised:
+            host.release_except(req, ())
+            return 0
+        if not found:
+            # The deadline passed: the request goes on without what is still on its
+            # way (those chunks are misses now; queued promotions free slots).
+            host.expire_pending(req)
         held = host.held(req)
         hits = _leading(keys, held)
         host.release_except(req, set(keys[:hits]))
@@ -350,31 +282,6 @@ class KVTier(AsyncResource):
         # waiting may leave some) goes now, not at the next call that steps.
         manager.on_schedule_end()
         return hits
-
-    async def _wait(self, deadline: float | None, since: int) -> bool:
-        """Wait for a completion after the mark ``since``; False past the deadline or
-        once fenced."""
-        if not await self._fenced_wait(self.manager.wait_for_completions(since), deadline):
-            return False
-        if self._fence.raised:
-            return False
-        return deadline is None or time.monotonic() < deadline
-
-    async def _fenced_wait(self, waiting: Coroutine[Any, Any, Any], deadline: float | None) -> bool:
-        """Await ``waiting`` until it is done, the deadline passes or a fence goes up
-        (which cancels it); False if the deadline had passed already."""
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            waiting.close()
-            return False
-        wait = asyncio.ensure_future(waiting)
-        self._fence.waits.add(wait)
-        try:
-            await asyncio.wait({wait}, timeout=remaining)
-        finally:
-            self._fence.waits.discard(wait)
-            wait.cancel()
-        return True
 
     # ---------------------------------------------------------------- copies
 
@@ -441,62 +348,35 @@ class KVTier(AsyncResource):
             KVTierError: the facade is closed.
         """
         async with self._fence.operation(self._check_open):
+            worker, requests = self.worker, self._require(self._requests)
             gpu_ids = self._gpu_ids(keys, gpu_block_ids)
-            bpc = self.worker.blocks_per_chunk
-            req = ReqContext(req_id)
+            bpc = worker.blocks_per_chunk
+
+            async def copy(out: PrepareStoreOutput, part: range) -> bool:
+                position = {keys[i]: i for i in part}
+                blocks = [
+                    block
+                    for key in out.keys_to_store
+                    for block in gpu_ids[position[key] * bpc : (position[key] + 1) * bpc]
+                ]
+                return (await worker.store(blocks, out.store_spec.chunk_ids)).success
+
             deadline = None if timeout is None else time.monotonic() + timeout
-            batch = max(1, self.manager.host.num_chunks // 2)
-            stored = 0
             try:
-                for start in range(0, len(keys), batch):
-                    part = list(keys[start : start + batch])
-                    part_ids = gpu_ids[start * bpc : (start + len(part)) * bpc]
-                    count = await self._store_batch(part, part_ids, req, deadline)
-                    if count is None:
-                        break
-                    stored += count
+                stored = await self._require(self._stores).store(
+                    keys,
+                    ReqContext(req_id),
+                    copy,
+                    shield=self._shielded,
+                    deadline=deadline,
+                    fence=self._fence,
+                )
             finally:
-                request = self._requests.get(req_id)
+                request = requests.get(req_id)
                 if request is not None and request.claims:
                     # Stored (readable, or on their way) or not: nobody waits for them.
-                    self._release_claims(request, keys)
-            return stored
-
-    async def _store_batch(
-        self, keys: list[OffloadKey], gpu_ids: list[int], req: ReqContext, deadline: float | None
-    ) -> int | None:
-        manager, worker = self.manager, self.worker
-        while True:
-            mark = manager.host.completion_mark
-            if (out := manager.prepare_store(keys, req)) is not None:
-                break
-            # Room may come from work in flight, or be there already: a cascade that
-            # ended after the refusal (the wait from the mark then ends at once).
-            completed = manager.host.completed_since(mark)
-            if not (self._copies or completed or manager.has_pending_work()):
-                return None
-            if not await self._wait(deadline, mark):
-                return None
-        if not out.keys_to_store:
-            return 0
-        bpc = worker.blocks_per_chunk
-        position = {key: i for i, key in enumerate(keys)}
-        blocks = [
-            block
-            for key in out.keys_to_store
-            for block in gpu_ids[position[key] * bpc : (position[key] + 1) * bpc]
-        ]
-
-        async def copy() -> int:
-            success = False
-            try:
-                result = await worker.store(blocks, out.store_spec.chunk_ids)
-                success = result.success
-            finally:
-                manager.complete_store(out.keys_to_store, req, success=success)
-            return len(out.keys_to_store) if success else 0
-
-        return await self._shielded(copy())
+                    requests.release_claims(request, keys)
+            return stored.written
 
     def finish(self, req_id: str) -> None:
         """The request is done: its pins and per-request lookup state go.
@@ -507,15 +387,7 @@ class KVTier(AsyncResource):
             KVTierError: the facade is closed.
         """
         self._check_open()
-        self._end(req_id)
-
-    def _end(self, req_id: str) -> None:
-        request = self._requests.pop(req_id, None)
-        if request is not None:
-            request.ended = True
-            self._release_claims(request, list(request.claims))
-        # Releases every slot the request holds.
-        self.manager.on_request_finished(ReqContext(req_id))
+        self._require(self._requests).end(req_id)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -554,8 +426,7 @@ class KVTier(AsyncResource):
     async def _reset(self) -> None:
         self._check_open()
         await self._copies.wait()
-        for req_id in list(self._requests):
-            self._end(req_id)
+        self._require(self._requests).end_all()
         await self.manager.areset_cache()
 
     async def drain(self) -> None:
@@ -592,8 +463,7 @@ class KVTier(AsyncResource):
         try:
             await self._copies.wait()
             await self.manager.drain()
-            for req_id in list(self._requests):
-                self._end(req_id)
+            self._require(self._requests).end_all()
         except Exception:
             logger.exception("draining the KVTier before closing it failed; closing anyway")
 
@@ -606,12 +476,6 @@ class KVTier(AsyncResource):
             raise KVTierError(
                 "this KVTier is not open: use 'async with KVTier(...)' or KVTier.open()"
             )
-
-    def _request(self, req_id: str) -> _Request:
-        request = self._requests.get(req_id)
-        if request is None:
-            request = self._requests[req_id] = _Request()
-        return request
 
     def _gpu_ids(self, keys: Sequence[OffloadKey], gpu_block_ids: BlockIds) -> list[int]:
         ids = (

@@ -1,4 +1,4 @@
-"""SGLang's ``HiCacheStorage`` over kvtier's :class:`~kvtier.integrations.sglang.PageStore`.
+"""SGLang's ``HiCacheStorage`` over kvtier's :class:`~kvtier.hosts.PageStore`.
 
 Imported only when SGLang (or a user) asks ``kvtier.integrations.sglang`` for
 ``KVTierHiCacheStorage``; everything that needs no SGLang lives in that module.
@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.errors import ConfigError
 from kvtier.integrations._sglang_store import (
+    REQUEST_PREFIX,
     PageStore,
     Segment,
     UnsupportedPoolError,
@@ -125,7 +126,7 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             ),
             shard=_shard(self.storage_config),
         )
-        self.page_store = PageStore(config)
+        self.page_store = PageStore(config, request_prefix=REQUEST_PREFIX)
         logger.info(
             "kvtier HiCache storage: %d-token pages of %d bytes, namespace %s, tiers %s",
             page_tokens,

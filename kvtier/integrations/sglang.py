@@ -15,19 +15,22 @@ Launch SGLang with the hierarchical cache and name this backend::
 (``cpu_bytes_to_use``, ``eviction_policy``, ``secondary_tiers``, ``backpressure``, ...).
 One SGLang page is one kvtier chunk, named by SGLang's own chained page hash.
 
-The module has two halves. :class:`PageStore` is kvtier's side and needs no SGLang: the
-tiers behind a store of fixed-size pages that SGLang's threads call synchronously, bytes
-moving between the caller's page memory and kvtier's primary slots with one copy each
-way. :class:`KVTierHiCacheStorage`, SGLang's ``HiCacheStorage`` subclass, is built on
-first access (``kvtier/integrations/_sglang_backend.py``), so importing this module
-never imports SGLang; it only translates SGLang's calls, host pools and configuration.
+kvtier's side needs no SGLang: :class:`PageStore` (:class:`kvtier.hosts.PageStore`, the
+engine-neutral store of fixed-size pages for synchronous threads, re-exported here)
+moves bytes between the caller's page memory and kvtier's primary slots with one copy
+each way; this module adds SGLang's names for pages (:func:`page_key`) and its
+configuration (:func:`offloading_config`). :class:`KVTierHiCacheStorage`, SGLang's
+``HiCacheStorage`` subclass, is built on first access
+(``kvtier/integrations/_sglang_backend.py``), so importing this module never imports
+SGLang; it only translates SGLang's calls, host pools and configuration.
 
 How SGLang's threads reach kvtier's event loop: every call goes through the manager's
 synchronous scheduler API (``lookup``, ``prepare_load`` / ``complete_load``,
-``prepare_store`` / ``complete_store``, ``on_schedule_end``,
-``host.wait_for_completions_blocking``) under ``manager.lock``; the tiers run on the
-manager's own loop thread. A caller waits only for the tier work its call asked for,
-and never past the deadline it was given: what has not arrived by then is a miss.
+``prepare_store`` / ``complete_store``, ``on_schedule_end``) under ``manager.lock``,
+and waits for tier work through the host layer (:func:`kvtier.hosts.step_until_blocking`);
+the tiers run on the manager's own loop thread. A caller waits only for the tier work
+its call asked for, and never past the deadline it was given: what has not arrived by
+then is a miss.
 
 A prefix found by :meth:`PageStore.contains_prefix` starts its promotions at once
 (kvtier promotes on a secondary hit), so the chunks are on their way while SGLang

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from scripted_tier import ScriptedTier
 
-import kvtier.integrations._sglang_store as sglang_store
+import kvtier.hosts.pages as pages_module
 from kvtier import ConfigError
 from kvtier.integrations.sglang import PageStore, Segment, offloading_config, page_key
 
@@ -174,7 +174,7 @@ def test_a_slow_tier_makes_a_load_return_by_its_timeout(engine_id):
 
 
 def test_a_prefix_never_loaded_lets_go_of_its_slots(engine_id, tmp_path, monkeypatch):
-    monkeypatch.setattr(sglang_store, "_SESSION_GRACE_S", 0.0)
+    monkeypatch.setattr(pages_module, "_SESSION_GRACE_S", 0.0)
     names = chain(4)
     keys = [page_key(n) for n in names]
     with make_store(engine_id, fs_tiers(tmp_path)) as store:
