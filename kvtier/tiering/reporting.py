@@ -32,6 +32,8 @@ from kvtier.primary import PRIMARY_LABEL
 
 if TYPE_CHECKING:
     from kvtier.tiering.core import TieringCore
+    from kvtier.tiering.jobs import InFlight
+    from kvtier.tiering.state import TierState
 
 __all__ = [
     "FLUSH_INTERVAL_S",
@@ -161,6 +163,8 @@ class Reporting:
         self.primary_counts = Counts(PRIMARY_LABEL)
         self.counts = Counts()
         self._flushed_at = 0.0
+        #: Each tier's integrity failures handed to the recorder so far.
+        self._integrity_reported = [0] * len(core.tiers)
 
     def flush(self) -> None:
         """Hand everything counted since the last flush to the recorder."""
@@ -174,7 +178,27 @@ class Reporting:
         self.counts.flush(metrics)
         self.primary_counts.flush(metrics)
         for state, in_flight in zip(core.tiers, core.jobs.in_flight, strict=True):
-            state.flush(metrics, in_flight, primary.num_chunks)
+            self._flush_tier(state, in_flight, primary.num_chunks)
+
+    def _flush_tier(self, state: TierState, in_flight: InFlight, num_chunks: int) -> None:
+        """Hand one tier's counts and gauges to the recorder."""
+        metrics = self.metrics
+        state.counts.flush(metrics)
+        label = state.counts.labels
+        metrics.set(Names.PRIMARY_WRITE_USAGE_PERC, in_flight.promotion_chunks / num_chunks, label)
+        metrics.set(Names.PRIMARY_READ_USAGE_PERC, in_flight.cascade_chunks / num_chunks, label)
+        metrics.set(Names.ACTIVE_PROMOTION_JOBS, in_flight.promotions, label)
+        metrics.set(Names.ACTIVE_CASCADE_JOBS, in_flight.cascades, label)
+        integrity = state.tier.ctx.counters.integrity_failures
+        reported = self._integrity_reported[state.index]
+        metrics.inc(Names.INTEGRITY_FAILURES, integrity - reported, label)
+        self._integrity_reported[state.index] = integrity
+        backpressure = state.backpressure
+        if backpressure is not None:
+            metrics.set(Names.BACKPRESSURE_STORE_LATENCY_EMA, backpressure.ema, label)
+            stores, chunks = backpressure.take_dropped()
+            metrics.inc(Names.BACKPRESSURE_STORES_DROPPED, stores, label)
+            metrics.inc(Names.BACKPRESSURE_CHUNKS_DROPPED, chunks, label)
 
     def flush_if_due(self) -> None:
         if time.perf_counter() - self._flushed_at >= FLUSH_INTERVAL_S:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.keys import OffloadKey
-from kvtier.metrics import MetricsRecorder, Names
+from kvtier.metrics import Names
 from kvtier.tiering.backpressure import Backpressure, BackpressureSettings
 from kvtier.tiering.reporting import Counts
 from kvtier.tiering.runner import RunnerSettings, TierRunner
@@ -26,7 +26,6 @@ from kvtier.tiers.base import SecondaryTier
 
 if TYPE_CHECKING:
     from kvtier.tiering.completions import LookupOutcome, Outcome
-    from kvtier.tiering.jobs import InFlight
     from kvtier.tiering.requests import Request, RequestTable
 
 __all__ = ["TierOptions", "TierState"]
@@ -48,7 +47,6 @@ class TierState:
         "_asked_at",
         "_asking",
         "_in_flight",
-        "_integrity_reported",
         "_queued",
         "backpressure",
         "counts",
@@ -65,7 +63,6 @@ class TierState:
         self.label = runner.label
         self.backpressure = backpressure
         self.counts = Counts(self.label)
-        self._integrity_reported = 0
         #: Keys queued or in flight for an async lookup -> the requests waiting.
         self._asking: dict[OffloadKey, set[str]] = {}
         self._asked_at: dict[OffloadKey, float] = {}
@@ -186,22 +183,3 @@ class TierState:
             self._asking.pop(key, None)
             self._asked_at.pop(key, None)
         self._queued = []
-
-    # -------------------------------------------------------------- metrics
-
-    def flush(self, metrics: MetricsRecorder, in_flight: InFlight, num_chunks: int) -> None:
-        """Hand the tier's counts and gauges to the recorder."""
-        self.counts.flush(metrics)
-        label = self.counts.labels
-        metrics.set(Names.PRIMARY_WRITE_USAGE_PERC, in_flight.promotion_chunks / num_chunks, label)
-        metrics.set(Names.PRIMARY_READ_USAGE_PERC, in_flight.cascade_chunks / num_chunks, label)
-        metrics.set(Names.ACTIVE_PROMOTION_JOBS, in_flight.promotions, label)
-        metrics.set(Names.ACTIVE_CASCADE_JOBS, in_flight.cascades, label)
-        integrity = self.tier.ctx.counters.integrity_failures
-        metrics.inc(Names.INTEGRITY_FAILURES, integrity - self._integrity_reported, label)
-        self._integrity_reported = integrity
-        if self.backpressure is not None:
-            metrics.set(Names.BACKPRESSURE_STORE_LATENCY_EMA, self.backpressure.ema, label)
-            stores, chunks = self.backpressure.take_dropped()
-            metrics.inc(Names.BACKPRESSURE_STORES_DROPPED, stores, label)
-            metrics.inc(Names.BACKPRESSURE_CHUNKS_DROPPED, chunks, label)
