@@ -1,43 +1,6 @@
-"""The executable contract of a secondary tier: one pytest suite every tier runs.
+"""The tests every secondary tier must pass: :class:`TierContract`, its hooks and tests.
 
-Every tier must hold the same promises: bytes come back exactly as stored or not at
-all, a damaged chunk is a counted miss that does not come back, a job that outlives
-its time-out never writes into (or reads from) a slot that another chunk took
-meanwhile, closing is idempotent, stores are reported as events. :class:`TierContract`
-checks them through the public :class:`~kvtier.KVTier` facade, with CPU tensors
-standing in for the GPU, so the framework (job runner, time-outs, slot bookkeeping)
-is in the loop exactly as in production.
-
-A tier author subclasses it in a test module and provides hooks; the subclass
-inherits the tests (this module needs ``pytest``; ``import kvtier`` never imports it)::
-
-    from kvtier.testing import TierContract
-
-    class TestMyTierContract(TierContract):
-        async def tier_config(self):
-            return {"type": "MyTier", "module_path": "my_pkg.tiers", "endpoint": "..."}
-
-Hooks, all optional but :meth:`~TierContract.tier_config`; a test whose hook a tier
-does not provide is skipped, saying which hook (a hook a tier cannot support says why
-with ``pytest.skip(reason)``):
-
-- :meth:`~TierContract.tier_config`: the tier's mapping for ``secondary_tiers``.
-- :meth:`~TierContract.reader_tier_config`: a second node that reads what the first
-  stored (an fs tier on the same ``root_dir``, an s3 tier on the same bucket, a p2p
-  node whose ``peers`` list the first); None (the default) reads back through the
-  writing node itself, its primary tier emptied first.
-- :meth:`~TierContract.corrupt` / :meth:`~TierContract.truncate`: damage a stored
-  chunk as a disk or a server would.
-- :meth:`~TierContract.stored_chunk`: the bytes stored under a key, read past the
-  tier's own verification.
-- :meth:`~TierContract.stall_loads` / :meth:`~TierContract.stall_stores`: hold the
-  tier's next load / store in its real I/O until the context exits, reporting through
-  a :class:`Stall` where it is.
-- :meth:`~TierContract.capacity_config`: parameters that bound the tier to a number
-  of chunks.
-
-Hooks may put what they open (a server, a proxy) on :attr:`TierContract.resources`,
-closed after the test's nodes.
+See :mod:`kvtier.testing` for how a tier author uses it.
 """
 
 from __future__ import annotations
@@ -46,168 +9,27 @@ import asyncio
 import contextlib
 import gc
 import hashlib
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
 from kvtier.config import OffloadingConfig
 from kvtier.facade import KVTier
 from kvtier.keys import OffloadKey, make_offload_key
 from kvtier.metrics import Names
 from kvtier.region import DEFAULT_SHM_DIR
-from kvtier.tiers.base import SecondaryTier
+from kvtier.testing._metrics import LATE_COMPLETIONS, QUARANTINED_SLOTS, has_metric, metric_value
+from kvtier.testing._nodes import ROOM_WAIT_S, WAIT_S, Node, Nodes, until
+from kvtier.testing._stall import Stall
 
-__all__ = ["LATE_COMPLETIONS", "QUARANTINED_SLOTS", "Stall", "TierContract", "metric_value"]
-
-#: The framework's gauge of primary slots held back from reuse because a timed-out
-#: job's I/O may still touch them.
-QUARANTINED_SLOTS = "kvtier_tiering_quarantined_slots"
-#: The framework's counter of timed-out jobs whose I/O ended after their time-out.
-LATE_COMPLETIONS = "kvtier_tiering_late_completions"
-
-# Waits that end as soon as what they wait for happens: the bound only turns a hang
-# into a failure naming what never came.
-_WAIT_S = 20.0
-# What the contract's waits poll at: what they wait for (a thread in a syscall, a
-# metric) signals no event.
-_POLL_S = 0.01
-# How long a store made while a stalled job holds a slot waits for room: that slot
-# does not come back before the stall ends, the others do within a cascade or two.
-_ROOM_WAIT_S = 0.5
-
-
-def metric_value(registry: CollectorRegistry, name: str, tier: str | None = None) -> float | None:
-    """The sum of ``name``'s samples (a counter's name ends in ``_total``); None if none.
-
-    Samples labelled with another ``tier`` than ``tier`` are left out. Collecting the
-    registry makes kvtier flush its counts first.
-    """
-    total: float | None = None
-    for family in registry.collect():
-        for sample in family.samples:
-            if sample.name != name:
-                continue
-            label = sample.labels.get("tier")
-            if tier is not None and label is not None and label != tier:
-                continue
-            total = (total or 0.0) + sample.value
-    return total
-
-
-def _has_metric(registry: CollectorRegistry, family: str) -> bool:
-    """Whether the registry declares a metric family (a counter's without ``_total``)."""
-    return any(metric.name == family for metric in registry.collect())
-
-
-async def _until(predicate: Callable[[], bool], what: str) -> None:
-    """Wait until ``predicate()`` holds, polling (see _POLL_S); fail after _WAIT_S."""
-    deadline = time.monotonic() + _WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {_WAIT_S:g} s waiting for {what}")
-        await anyio.sleep(_POLL_S)
-
-
-class Stall:
-    """Where a tier's held I/O is: reached, still held, finished.
-
-    A stall hook (:meth:`TierContract.stall_loads`, :meth:`TierContract.stall_stores`)
-    yields one. The I/O it holds (a thread blocked in a syscall, a request whose answer
-    a proxy keeps back) reports through :meth:`reach`, :meth:`give_up` and
-    :meth:`finish`, from any thread; or a subclass computes :meth:`reached`,
-    :meth:`holding` and :meth:`finished` itself (by polling the kernel, say).
-    """
-
-    def __init__(self) -> None:
-        self._reached = threading.Event()
-        self._gave_up = threading.Event()
-        self._finished = threading.Event()
-
-    def reach(self) -> None:
-        """The held I/O got to the stall and waits there."""
-        self._reached.set()
-
-    def give_up(self) -> None:
-        """The held I/O stopped waiting (its client went away): it touches nothing more."""
-        self._gave_up.set()
-
-    def finish(self) -> None:
-        """The held I/O has ended: it touches no slot any more."""
-        self._finished.set()
-
-    def reached(self) -> bool:
-        """Whether the held I/O ever got to the stall (stays true once it did)."""
-        return self._reached.is_set()
-
-    def holding(self) -> bool:
-        """Whether the I/O is held there right now: it may still touch its slot."""
-        return self.reached() and not (self._gave_up.is_set() or self._finished.is_set())
-
-    def finished(self) -> bool:
-        """Whether the held I/O is over, completed or abandoned (asked after release)."""
-        return self._gave_up.is_set() or self._finished.is_set()
-
-
-@dataclass(eq=False, repr=False)
-class _Node:
-    """One engine of a contract test: a :class:`~kvtier.KVTier` with the tier under
-    test as its only secondary tier, and the CPU tensor standing in for its GPU."""
-
-    kv: KVTier
-    cache: torch.Tensor
-    _next_block: int = 0
-
-    @property
-    def tier(self) -> SecondaryTier:
-        """The tier under test, as this node's manager runs it."""
-        return self.kv.manager.tiers[0]
-
-    @property
-    def label(self) -> str:
-        """The tier's label in metrics and events (``"1:fs"``)."""
-        return self.kv.manager.diagnostics.tier_labels[0]
-
-    @property
-    def registry(self) -> CollectorRegistry:
-        return self.kv.registry
-
-    @property
-    def primary_chunks(self) -> int:
-        return self.kv.manager.host.num_chunks
-
-    def blocks(self, count: int) -> list[int]:
-        """``count`` GPU blocks no call in flight uses: they go round the tensor."""
-        total = self.cache.shape[0]
-        assert count <= total, f"{count} blocks asked of a {total}-block tensor"
-        blocks = [(self._next_block + i) % total for i in range(count)]
-        self._next_block = (self._next_block + count) % total
-        return blocks
-
-    def metric(self, name: str) -> float:
-        """The tier's sample of ``name`` (0 when it has none yet)."""
-        return metric_value(self.registry, name, self.label) or 0.0
-
-
-@dataclass(eq=False, repr=False)
-class _Nodes:
-    writer: _Node
-    reader: _Node
-    #: Chunk contents by key, as stored.
-    stored: dict[OffloadKey, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def shared(self) -> bool:
-        return self.reader is self.writer
+__all__ = ["TierContract"]
 
 
 class TierContract:
@@ -356,10 +178,10 @@ class TierContract:
             },
         )
 
-    async def _open_node(self, config: OffloadingConfig) -> _Node:
+    async def _open_node(self, config: OffloadingConfig) -> Node:
         cache = torch.zeros((self.gpu_blocks, self.block_bytes), dtype=torch.uint8)
         kv = await self.resources.enter_async_context(KVTier(config, [cache]))
-        return _Node(kv, cache)
+        return Node(kv, cache)
 
     @contextlib.asynccontextmanager
     async def _nodes(
@@ -369,7 +191,7 @@ class TierContract:
         writer_timeout_s: float | None = None,
         reader_timeout_s: float | None = None,
         extra: Mapping[str, Any] | None = None,
-    ) -> AsyncIterator[_Nodes]:
+    ) -> AsyncIterator[Nodes]:
         """The writer and reader nodes (one node when the tier has no reader).
 
         ``writer_timeout_s`` / ``reader_timeout_s`` set ``job_timeout_s`` of the node
@@ -380,7 +202,7 @@ class TierContract:
             tier = {**await self.tier_config(), **(extra or {})}
             writer_chunks = self.writer_primary_chunks or self.primary_chunks
 
-            async def open_writer(timeout_s: float | None) -> _Node:
+            async def open_writer(timeout_s: float | None) -> Node:
                 config = self._config(
                     tier, chunks=writer_chunks, events=events, job_timeout_s=timeout_s
                 )
@@ -402,123 +224,7 @@ class TierContract:
                     job_timeout_s=reader_timeout_s,
                 )
                 reader = await self._open_node(config)
-            yield _Nodes(writer, reader)
-
-    async def _put(
-        self,
-        nodes: _Nodes,
-        node: _Node,
-        keys: Sequence[OffloadKey],
-        *,
-        drain: bool = True,
-        room_wait_s: float | None = None,
-    ) -> list[OffloadKey]:
-        """Store ``keys`` (fresh random contents) through ``node``; the keys stored.
-
-        With ``drain``, a primary tier's worth at a time, each drained, so that every
-        key reaches the tier; otherwise one key per call, each waiting for room at most
-        ``room_wait_s`` seconds, and nothing is drained.
-        """
-        size = node.primary_chunks if drain else 1
-        stored: list[OffloadKey] = []
-        for start in range(0, len(keys), size):
-            part = list(keys[start : start + size])
-            blocks = node.blocks(len(part))
-            contents = torch.randint(
-                0, 256, (len(part), self.block_bytes), dtype=torch.uint8, generator=self._generator
-            )
-            node.cache[blocks] = contents
-            req = f"store-{uuid.uuid4().hex}"
-            count = await node.kv.store(part, blocks, req, timeout=room_wait_s)
-            node.kv.finish(req)
-            if drain:
-                assert count == len(part), f"stored {count} of {len(part)} chunks"
-                await node.kv.drain()
-            if count:
-                nodes.stored.update(zip(part, contents, strict=True))
-                stored.extend(part)
-        return stored
-
-    async def _visible(self, node: _Node, keys: Sequence[OffloadKey]) -> None:
-        """Wait until ``node``'s tier finds every key (another node's stores, announcements)."""
-        tier = node.tier
-        deadline = time.monotonic() + _WAIT_S
-        while not all(await tier.lookup(keys)):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the reader's tier never found {len(keys)} stored chunk(s)")
-            await anyio.sleep(_POLL_S)
-
-    async def _invisible(self, node: _Node, keys: Sequence[OffloadKey]) -> None:
-        """Wait until ``node``'s tier finds none of ``keys`` (another node's removals,
-        withdrawals and cached answers reach it in their own time)."""
-        tier = node.tier
-        deadline = time.monotonic() + _WAIT_S
-        while any(await tier.lookup(keys)):
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"the reader's tier still finds cleared chunks after {_WAIT_S:g} s"
-                )
-            await anyio.sleep(_POLL_S)
-
-    async def _read_back(
-        self,
-        nodes: _Nodes,
-        node: _Node,
-        keys: Sequence[OffloadKey],
-    ) -> list[OffloadKey]:
-        """Look each key up and load it; check every byte; the keys found.
-
-        A key found must hold exactly what was stored under it; a miss is no fault.
-        """
-        found: list[OffloadKey] = []
-        for key in keys:
-            req = f"read-{uuid.uuid4().hex}"
-            hits = await node.kv.lookup([key], req, timeout=self.lookup_timeout_s)
-            if hits:
-                [block] = node.blocks(1)
-                node.cache[block] = 0
-                loaded = await node.kv.load([key], [block], req)
-                if loaded:
-                    self._check(nodes, key, node.cache[block])
-                    found.append(key)
-            node.kv.finish(req)
-        return found
-
-    async def _load_all(self, nodes: _Nodes, node: _Node, keys: Sequence[OffloadKey]) -> None:
-        """Look ``keys`` up and load them, half a primary tier at a time: every one
-        must be found and byte-exact."""
-        size = max(1, node.primary_chunks // 2)
-        for start in range(0, len(keys), size):
-            part = list(keys[start : start + size])
-            req = f"load-{uuid.uuid4().hex}"
-            hits = await node.kv.lookup(part, req, timeout=self.lookup_timeout_s)
-            assert hits == len(part), f"found {hits} of {len(part)} stored chunks"
-            blocks = node.blocks(len(part))
-            node.cache[blocks] = 0
-            assert await node.kv.load(part, blocks, req) == len(part)
-            node.kv.finish(req)
-            for key, block in zip(part, blocks, strict=True):
-                self._check(nodes, key, node.cache[block])
-
-    @staticmethod
-    def _check(nodes: _Nodes, key: OffloadKey, got: torch.Tensor) -> None:
-        expected = nodes.stored[key]
-        if torch.equal(got, expected):
-            return
-        others = [other for other, data in nodes.stored.items() if torch.equal(got, data)]
-        if others:
-            raise AssertionError(
-                f"chunk {key.hex()[:16]} came back holding the bytes of chunk "
-                f"{others[0].hex()[:16]}: a slot was reused while a timed-out job still used it"
-            )
-        differ = int((got != expected).sum())
-        raise AssertionError(f"chunk {key.hex()[:16]} came back with {differ} bytes changed")
-
-    @staticmethod
-    async def _empty_primary(nodes: _Nodes) -> None:
-        """Make the reader find chunks only in the tier."""
-        if nodes.shared:
-            await nodes.reader.kv.reset()
+            yield Nodes(writer, reader, self._generator, self.lookup_timeout_s)
 
     # ------------------------------------------------------------------ tests
 
@@ -527,10 +233,10 @@ class TierContract:
         """Chunks stored through the writer load back on the reader, every byte as stored."""
         async with self._nodes() as nodes:
             keys = self.keys("round-trip", self.round_trip_chunks)
-            await self._put(nodes, nodes.writer, keys)
-            await self._empty_primary(nodes)
-            await self._visible(nodes.reader, keys)
-            await self._load_all(nodes, nodes.reader, keys)
+            await nodes.put(nodes.writer, keys)
+            await nodes.empty_primary()
+            await nodes.reader.visible(keys)
+            await nodes.load_all(nodes.reader, keys)
 
     @pytest.mark.anyio
     async def test_keys_never_stored_are_misses(self) -> None:
@@ -538,11 +244,11 @@ class TierContract:
         async with self._nodes() as nodes:
             present = self.keys("present", 2)
             absent = self.keys("absent", 3)
-            await self._put(nodes, nodes.writer, present)
-            await self._empty_primary(nodes)
-            await self._visible(nodes.reader, present)
+            await nodes.put(nodes.writer, present)
+            await nodes.empty_primary()
+            await nodes.reader.visible(present)
             reader = nodes.reader.kv
-            with anyio.fail_after(_WAIT_S):
+            with anyio.fail_after(WAIT_S):
                 assert list(await nodes.reader.tier.lookup(absent)) == [False] * 3
                 assert await reader.lookup(absent, "absent", timeout=self.lookup_timeout_s) == 0
                 mixed = [present[0], absent[0], present[1]]
@@ -557,8 +263,8 @@ class TierContract:
         and says so."""
         async with self._nodes() as nodes:
             keys = self.keys("cleared", 3)
-            await self._put(nodes, nodes.writer, keys)
-            await self._visible(nodes.reader, keys)
+            await nodes.put(nodes.writer, keys)
+            await nodes.reader.visible(keys)
             writer = nodes.writer.kv
             kept = await writer.clear()
             assert writer.manager.primary.num_stored == 0
@@ -567,17 +273,17 @@ class TierContract:
                 assert all(await nodes.reader.tier.lookup(keys))
                 return
             assert kept == []
-            await self._invisible(nodes.reader, keys)
+            await nodes.reader.invisible(keys)
             reader = nodes.reader.kv
-            with anyio.fail_after(_WAIT_S):
+            with anyio.fail_after(WAIT_S):
                 assert await reader.lookup(keys, "cleared", timeout=self.lookup_timeout_s) == 0
             reader.finish("cleared")
             # What is stored after a clear is kept as ever.
             again = self.keys("after-clear", 2)
-            await self._put(nodes, nodes.writer, again)
-            await self._empty_primary(nodes)
-            await self._visible(nodes.reader, again)
-            await self._load_all(nodes, nodes.reader, again)
+            await nodes.put(nodes.writer, again)
+            await nodes.empty_primary()
+            await nodes.reader.visible(again)
+            await nodes.load_all(nodes.reader, again)
 
     @pytest.mark.anyio
     async def test_a_corrupt_chunk_is_a_counted_miss_and_removed(self) -> None:
@@ -595,11 +301,11 @@ class TierContract:
     ) -> None:
         async with self._nodes() as nodes:
             key, intact = self.keys("damaged", 2)
-            await self._put(nodes, nodes.writer, [key, intact])
+            await nodes.put(nodes.writer, [key, intact])
             await damage(nodes.writer.kv, key)
-            await self._empty_primary(nodes)
+            await nodes.empty_primary()
             reader = nodes.reader
-            await self._visible(reader, [intact])
+            await reader.visible([intact])
             assert reader.metric(f"{Names.INTEGRITY_FAILURES}_total") == 0
             [block] = reader.blocks(1)
             reader.cache[block] = 7
@@ -613,7 +319,7 @@ class TierContract:
             assert await reader.kv.lookup([key], "again", timeout=self.lookup_timeout_s) == 0
             reader.kv.finish("again")
             assert reader.metric(f"{Names.INTEGRITY_FAILURES}_total") == 1
-            assert await self._read_back(nodes, reader, [intact]) == [intact]
+            assert await nodes.read_back(reader, [intact]) == [intact]
 
     @pytest.mark.anyio
     async def test_a_lookup_cancelled_mid_promotion_leaves_the_node_usable(self) -> None:
@@ -622,10 +328,10 @@ class TierContract:
         tasks_before = asyncio.all_tasks()
         async with self._nodes() as nodes:
             keys = self.keys("cancelled", 4)
-            await self._put(nodes, nodes.writer, keys)
-            await self._empty_primary(nodes)
+            await nodes.put(nodes.writer, keys)
+            await nodes.empty_primary()
             reader = nodes.reader
-            await self._visible(reader, keys)
+            await reader.visible(keys)
             lookup = asyncio.ensure_future(
                 reader.kv.lookup(keys, "cancelled", timeout=self.lookup_timeout_s)
             )
@@ -644,9 +350,9 @@ class TierContract:
             )
             # Every slot can be filled, and the chunks are still there, byte-exact.
             fresh = self.keys("after-cancel", reader.primary_chunks)
-            assert await self._put(nodes, reader, fresh) == fresh
+            assert await nodes.put(reader, fresh) == fresh
             await reader.kv.reset()
-            await self._load_all(nodes, reader, keys)
+            await nodes.load_all(reader, keys)
         gc.collect()
         assert asyncio.all_tasks() - tasks_before == set(), "a task outlived its node"
 
@@ -655,7 +361,7 @@ class TierContract:
         """A node and its tier close twice without error, leaving no task behind."""
         tasks_before = asyncio.all_tasks()
         async with self._nodes() as nodes:
-            await self._put(nodes, nodes.writer, self.keys("closing", 2))
+            await nodes.put(nodes.writer, self.keys("closing", 2))
             for node in [nodes.writer] if nodes.shared else [nodes.writer, nodes.reader]:
                 tier = node.tier
                 await node.kv.aclose()
@@ -672,7 +378,7 @@ class TierContract:
             writer = nodes.writer
             keys = self.keys("events", 3)
             writer.kv.manager.take_events()
-            await self._put(nodes, writer, keys)
+            await nodes.put(writer, keys)
             events = [e for e in writer.kv.manager.take_events() if e.tier == writer.label]
             stored = {key for event in events if not event.removed for key in event.keys}
             assert stored == set(keys)
@@ -687,13 +393,13 @@ class TierContract:
             pytest.skip(f"{type(self).__name__} defines no capacity_config()")
         async with self._nodes(extra=params) as nodes:
             keys = self.keys("capacity", 3 * limit)
-            await self._put(nodes, nodes.writer, keys)
-            await self._empty_primary(nodes)
+            await nodes.put(nodes.writer, keys)
+            await nodes.empty_primary()
             answers = await nodes.reader.tier.lookup(keys)
             kept = [key for key, present in zip(keys, answers, strict=True) if present]
             assert 0 < len(kept) <= limit, f"the tier kept {len(kept)} chunks, capacity {limit}"
             assert keys[-1] in kept, "the newest chunk was evicted"
-            assert await self._read_back(nodes, nodes.reader, kept) == kept
+            assert await nodes.read_back(nodes.reader, kept) == kept
 
     @pytest.mark.anyio
     async def test_a_stalled_load_fails_in_time_and_never_lands_in_a_reused_slot(self) -> None:
@@ -707,18 +413,18 @@ class TierContract:
         async with self._nodes(reader_timeout_s=timeout_s) as nodes:
             reader = nodes.reader
             [stalled] = self.keys("stalled-load", 1)
-            await self._put(nodes, nodes.writer, [stalled])
-            await self._empty_primary(nodes)
-            await self._visible(reader, [stalled])
+            await nodes.put(nodes.writer, [stalled])
+            await nodes.empty_primary()
+            await reader.visible([stalled])
             async with self.stall_loads(reader.kv, stalled) as stall:
                 started = time.monotonic()
                 lookup = asyncio.ensure_future(
                     reader.kv.lookup([stalled], "stalled", timeout=self.lookup_timeout_s)
                 )
                 try:
-                    await _until(lambda: stall.reached() or lookup.done(), "the load to stall")
+                    await until(lambda: stall.reached() or lookup.done(), "the load to stall")
                     assert stall.reached(), "the promotion ended without reaching the stall"
-                    with anyio.fail_after(timeout_s + self.lateness_s + _WAIT_S):
+                    with anyio.fail_after(timeout_s + self.lateness_s + WAIT_S):
                         hits = await lookup
                 finally:
                     lookup.cancel()
@@ -730,14 +436,12 @@ class TierContract:
                 # Fresh chunks that need every slot of the primary tier, the stalled
                 # load's included unless the framework holds it back.
                 fresh = self.keys("fresh", reader.primary_chunks)
-                stored = await self._put(
-                    nodes, reader, fresh, drain=False, room_wait_s=_ROOM_WAIT_S
-                )
-            await _until(stall.finished, "the stalled load's I/O to end once let go")
-            late = await self._settle(reader, held)
-            await self._check_fresh(nodes, reader, stored)
+                stored = await nodes.put(reader, fresh, drain=False, room_wait_s=ROOM_WAIT_S)
+            await until(stall.finished, "the stalled load's I/O to end once let go")
+            late = await reader.settle(held)
+            await nodes.check_fresh(reader, stored)
             # Asked again, the stalled chunk is a miss or exactly its bytes.
-            await self._read_back(nodes, reader, [stalled])
+            await nodes.read_back(reader, [stalled])
             assert elapsed < timeout_s + self.lateness_s, (
                 f"a load stalled in the tier was reported after {elapsed:.2f} s, its "
                 f"job_timeout_s being {timeout_s:g} s"
@@ -763,27 +467,25 @@ class TierContract:
                 return writer.metric(failures) > 0
 
             async with self.stall_stores(writer.kv) as stall:
-                await self._put(nodes, writer, [stalled], drain=False)
+                await nodes.put(writer, [stalled], drain=False)
                 started = time.monotonic()
-                await _until(lambda: stall.reached() or failed(), "the cascade to stall")
+                await until(lambda: stall.reached() or failed(), "the cascade to stall")
                 assert stall.reached(), "the cascade ended without reaching the stall"
-                await _until(failed, "the stalled cascade to be reported failed")
+                await until(failed, "the stalled cascade to be reported failed")
                 elapsed = time.monotonic() - started
                 held = stall.holding()
                 quarantined = metric_value(writer.registry, QUARANTINED_SLOTS)
                 # Fresh chunks that need every slot, the stalled chunk's included
                 # unless the framework holds it back.
                 fresh = self.keys("fresh", writer.primary_chunks)
-                stored = await self._put(
-                    nodes, writer, fresh, drain=False, room_wait_s=_ROOM_WAIT_S
-                )
-            await _until(stall.finished, "the stalled store's I/O to end once let go")
-            late = await self._settle(writer, held)
-            await self._check_fresh(nodes, writer, stored)
+                stored = await nodes.put(writer, fresh, drain=False, room_wait_s=ROOM_WAIT_S)
+            await until(stall.finished, "the stalled store's I/O to end once let go")
+            late = await writer.settle(held)
+            await nodes.check_fresh(writer, stored)
             await self._check_stored(nodes, writer, stalled)
             # What the tier holds under the stalled key: nothing, or exactly its bytes.
-            await self._empty_primary(nodes)
-            await self._read_back(nodes, nodes.reader, [stalled])
+            await nodes.empty_primary()
+            await nodes.read_back(nodes.reader, [stalled])
             assert elapsed < timeout_s + self.lateness_s, (
                 f"a store stalled in the tier was reported after {elapsed:.2f} s, its "
                 f"job_timeout_s being {timeout_s:g} s"
@@ -792,31 +494,7 @@ class TierContract:
                 writer, held and not self.stops_io_when_cancelled, quarantined, late
             )
 
-    async def _settle(self, node: _Node, held: bool) -> float:
-        """After a stall: wait (bounded) until the framework has given the held slots
-        back; the late completions it counted."""
-        late = f"{LATE_COMPLETIONS}_total"
-        if not _has_metric(node.registry, QUARANTINED_SLOTS):
-            await node.kv.drain()
-            return node.metric(late)
-        deadline = time.monotonic() + _WAIT_S
-        while True:
-            await node.kv.drain()
-            count = node.metric(late)
-            back = not metric_value(node.registry, QUARANTINED_SLOTS)
-            if (back and (count >= 1 or not held)) or time.monotonic() > deadline:
-                return count
-            await anyio.sleep(_POLL_S)
-
-    async def _check_fresh(self, nodes: _Nodes, node: _Node, fresh: Sequence[OffloadKey]) -> None:
-        """The chunks stored while a stalled job held its slot come back byte-exact,
-        from the primary tier and then from the tier."""
-        assert fresh, "no chunk could be stored while a stalled job held its slot"
-        assert await self._read_back(nodes, node, fresh), "no fresh chunk was found"
-        await node.kv.reset()
-        await self._read_back(nodes, node, fresh)
-
-    async def _check_stored(self, nodes: _Nodes, writer: _Node, key: OffloadKey) -> None:
+    async def _check_stored(self, nodes: Nodes, writer: Node, key: OffloadKey) -> None:
         """What the tier wrote under ``key`` is nothing, or exactly the chunk's bytes."""
         try:
             data = await self.stored_chunk(writer.kv, key)
@@ -836,10 +514,10 @@ class TierContract:
 
     @staticmethod
     def _check_quarantine_metrics(
-        node: _Node, held: bool, quarantined: float | None, late: float
+        node: Node, held: bool, quarantined: float | None, late: float
     ) -> None:
         registry = node.registry
-        assert _has_metric(registry, QUARANTINED_SLOTS), (
+        assert has_metric(registry, QUARANTINED_SLOTS), (
             f"the registry has no {QUARANTINED_SLOTS} gauge"
         )
         if not held:
