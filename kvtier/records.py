@@ -12,6 +12,7 @@ from kvtier.keys import OffloadKey
 
 __all__ = [
     "EventLog",
+    "HitSource",
     "LoadStoreSpec",
     "LookupResult",
     "Medium",
@@ -40,9 +41,47 @@ class Medium(enum.Enum):
     """Where a tier keeps its bytes."""
 
     GPU = "GPU"
+    #: This engine's CPU memory (the primary tier, the example tier).
     CPU = "CPU"
+    #: A disk or an object store (fs, s3).
     STORAGE = "STORAGE"
+    #: Other engines' memory, reached over the network (p2p).
     NETWORK = "NETWORK"
+    #: A memory server outside the engines (memcached, Redis, Valkey, Mooncake).
+    REMOTE_MEMORY = "REMOTE_MEMORY"
+
+
+class HitSource(enum.Enum):
+    """Where a host is told a chunk loaded from a tier came from.
+
+    A tier declares it (``SecondaryTier.hit_source``); by default it follows the
+    tier's :class:`Medium`. The values are those of vLLM's ``CacheHitSource``, which
+    the vLLM adapter reports per loaded chunk.
+    """
+
+    #: Host memory: this engine's, or any tier that keeps bytes in its CPU memory.
+    HOST = "host"
+    #: Another engine's memory (p2p).
+    P2P = "p2p"
+    #: A disk, local or shared, or an object store (fs, s3; vLLM's own obj tier too).
+    DISK = "disk"
+    #: A store outside the engines that is neither of the above (a remote memory
+    #: server): vLLM's ``external_unspecified``.
+    EXTERNAL = "external_unspecified"
+
+    @classmethod
+    def of(cls, medium: Medium) -> HitSource:
+        """The source a tier on ``medium`` reports unless it declares its own."""
+        return _SOURCE_OF_MEDIUM[medium]
+
+
+_SOURCE_OF_MEDIUM = {
+    Medium.GPU: HitSource.HOST,
+    Medium.CPU: HitSource.HOST,
+    Medium.STORAGE: HitSource.DISK,
+    Medium.NETWORK: HitSource.P2P,
+    Medium.REMOTE_MEMORY: HitSource.EXTERNAL,
+}
 
 
 @dataclass(frozen=True)

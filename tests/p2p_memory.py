@@ -80,7 +80,8 @@ class MemoryNode:
             primary=access,
         )
         params = {"secret": SECRET, "listen": f"{name}:7070", **params}
-        self.tier = PeerTier(self.ctx, transport=transport, **params)
+        settings = PeerTier.settings_for(self.ctx, params)
+        self.tier = PeerTier(self.ctx, settings, transport=transport)
         self.address = f"{name}:7070"
         self._jobs = 0
 

@@ -13,7 +13,7 @@ from kvtier.config import ConfigReader, OffloadingConfig
 from kvtier.metrics import MetricDefinition
 from kvtier.region import DEFAULT_SHM_DIR
 from kvtier.resources import AsyncResource
-from kvtier.specs.settings import SpecSettings
+from kvtier.specs.settings import MetricSettings, SpecSettings
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +90,22 @@ class OffloadingSpec(AsyncResource):
     def build_metric_definitions(
         cls, extra_config: Mapping[str, Any]
     ) -> dict[str, MetricDefinition]:
-        """The metrics this spec's manager exposes, by name."""
+        """The metrics this spec's manager exposes, by name, for a caller with
+        ``extra_config`` and no engine (vLLM's API server): parsed into
+        :class:`~kvtier.specs.settings.MetricSettings`, then as :meth:`metric_definitions`.
+
+        Raises:
+            ConfigError: a key the metrics depend on is invalid.
+        """
+        return cls.metric_definitions(MetricSettings.parse(extra_config))
+
+    @classmethod
+    def metric_definitions(cls, settings: MetricSettings) -> dict[str, MetricDefinition]:
+        """The metrics this spec's manager exposes for parsed ``settings``, by name.
+
+        A spec built from a configuration uses ``self.settings.metrics``; a subclass
+        adds its own to its base's.
+        """
         return {}
 
     @abstractmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config import ChunkGeometry, OffloadingConfig
@@ -13,6 +13,7 @@ from kvtier.primary import PrimaryTier
 from kvtier.region import SharedOffloadRegion
 from kvtier.resources import Resource, aclose_all
 from kvtier.specs.base import OffloadingSpec
+from kvtier.specs.settings import MetricSettings
 from kvtier.tiering.manager import TieringOffloadingManager
 from kvtier.worker.worker import OffloadingWorker
 
@@ -42,12 +43,9 @@ class CPUOffloadingSpec(OffloadingSpec):
         super().__init__(config, **kwargs)
 
     @classmethod
-    def build_metric_definitions(
-        cls, extra_config: Mapping[str, Any]
-    ) -> dict[str, MetricDefinition]:
-        definitions = super().build_metric_definitions(extra_config)
-        threshold = extra_config.get("store_threshold", 0)
-        definitions.update(cpu_metric_definitions(threshold if isinstance(threshold, int) else 0))
+    def metric_definitions(cls, settings: MetricSettings) -> dict[str, MetricDefinition]:
+        definitions = super().metric_definitions(settings)
+        definitions.update(cpu_metric_definitions(settings.store_threshold))
         return definitions
 
     @property
@@ -73,9 +71,8 @@ class CPUOffloadingSpec(OffloadingSpec):
         )
 
     def new_metrics(self) -> MetricsRecorder:
-        return MetricsRecorder(
-            self.build_metric_definitions(self.config.extra_config), self.registry
-        )
+        """The recorder of this spec's metrics, defined from :attr:`settings`."""
+        return MetricsRecorder(self.metric_definitions(self.settings.metrics), self.registry)
 
     def new_primary(self) -> PrimaryTier:
         return PrimaryTier(

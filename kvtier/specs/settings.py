@@ -4,12 +4,18 @@
 :class:`~kvtier.config.OffloadingConfig` into a :class:`SpecSettings`: the primary
 tier's keys, the chunk geometry they give, and one :class:`TierConfig` per
 ``secondary_tiers`` entry (the framework's keys, the tier's ``locality``, and the
-tier's own parameters parsed by its ``settings_class``). Every default is filled in
-where it is written once: :class:`~kvtier.tiering.runner.RunnerSettings`,
+tier's own parameters parsed by its ``settings_class`` and derived for the engine).
+Every default is filled in where it is written once:
+:class:`~kvtier.tiering.runner.RunnerSettings`,
 :class:`~kvtier.tiering.backpressure.BackpressureSettings` and
 :data:`~kvtier.tiering.backpressure.DEFAULT_MARKS`, each tier's settings class, and the
-constants here. The specs build from these records, the vLLM adapter describes the
-tiers from them and ``kvtier plan`` prints them, so the three cannot disagree.
+constants here. The specs build the tiers and their metric definitions from these
+records, the vLLM adapter describes the tiers from them and ``kvtier plan`` prints
+them, so none of them can disagree.
+
+:class:`MetricSettings` is the part of ``extra_config`` that metric definitions depend
+on, parsed by the same readers from ``extra_config`` alone: a process that declares
+metrics without an engine (vLLM's API server) declares the engine's.
 """
 
 from __future__ import annotations
@@ -26,13 +32,13 @@ from kvtier.policies.factory import CachePolicyFactory
 from kvtier.tiering.backpressure import DEFAULT_MARKS, BackpressureSettings
 from kvtier.tiering.manager import TierOptions
 from kvtier.tiering.runner import RunnerSettings
-from kvtier.tiers._depth import DEFAULT_MAX_DEPTH
-from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers.base import SecondaryTier, TierContext
 from kvtier.tiers.factory import SecondaryTierFactory
 
 __all__ = [
     "DEFAULT_EVICTION_POLICY",
     "LOCAL_PROMOTION_CHUNKS",
+    "MetricSettings",
     "SpecSettings",
     "TierConfig",
     "tier_path",
@@ -40,16 +46,17 @@ __all__ = [
 
 DEFAULT_EVICTION_POLICY = "lru"
 
-# Chunks a local tier (fs) promotes at once before further promotion jobs wait: twice
-# the deepest its reads may go, so the read depth can climb to its maximum and the next
-# request's job is already reading when the last one's final reads land (the gap
-# between one job's end and the next one's start would leave the disk idle). Jobs still
-# start in request order, so the request admitted first finishes first. Measured with
-# benchmarks/vs_vllm.py (2 GiB of 2 MiB chunks, 16-chunk requests, 16 waiting): 32
-# promoted 1.07-1.10 GB/s with request wait p99 332-346 ms, against 1.00-1.04 GB/s and
-# 394-397 ms at 8. Remote tiers wait on round trips rather than a device: they run as
-# many jobs as max_concurrent_jobs allows.
-LOCAL_PROMOTION_CHUNKS = 2 * DEFAULT_MAX_DEPTH
+# Chunks a local tier promotes at once before further promotion jobs wait: enough for
+# a disk's deepest useful queue twice over (16 reads in flight: vLLM's read threads,
+# and the fs tier's deepest adaptive read depth), so one job's reads can climb to that
+# depth and the next request's job is already reading when the last one's final reads
+# land (the gap between one job's end and the next one's start would leave the disk
+# idle). Jobs still start in request order, so the request admitted first finishes
+# first. Measured with benchmarks/vs_vllm.py on the fs tier (2 GiB of 2 MiB chunks,
+# 16-chunk requests, 16 waiting): 32 promoted 1.07-1.10 GB/s with request wait p99
+# 332-346 ms, against 1.00-1.04 GB/s and 394-397 ms at 8. Remote tiers wait on round
+# trips rather than a device: they run as many jobs as max_concurrent_jobs allows.
+LOCAL_PROMOTION_CHUNKS = 32
 
 _RUNNER_DEFAULTS = RunnerSettings()
 
@@ -81,18 +88,25 @@ class TierConfig:
     #: The top-level ``backpressure`` merged field by field under the tier's own, water
     #: marks by locality; None: back-pressure is off for this tier.
     backpressure: BackpressureSettings | None
-    #: The tier's own parameters, read-only, as the tier receives them:
-    #: ``tier_class(ctx, **params)``. Hidden from ``repr``: they may hold credentials.
+    #: The tier's own parameters as written, read-only: what a tier that reads its
+    #: keyword arguments itself receives (``tier_class(ctx, **params)``). Hidden from
+    #: ``repr``: they may hold credentials.
     params: Mapping[str, Any] = field(repr=False)
     #: ``params`` parsed by the tier's ``settings_class``, with what the tier derives
-    #: from the framework's values filled in (``SecondaryTier.effective_settings``);
-    #: None for a tier that reads its keyword arguments itself.
+    #: from the framework's values filled in (``SecondaryTier.effective_settings``):
+    #: the record the tier is built from. None for a tier that reads its keyword
+    #: arguments itself.
     settings: Any
 
     @property
     def options(self) -> TierOptions:
         """What the manager takes for this tier."""
         return TierOptions(runner=self.runner, backpressure=self.backpressure)
+
+    def build(self, ctx: TierContext) -> SecondaryTier:
+        """The tier, built from :attr:`settings` (see
+        :meth:`~kvtier.tiers.factory.SecondaryTierFactory.build_tier`)."""
+        return SecondaryTierFactory.build_tier(self.tier_class, ctx, self.settings, self.params)
 
     @classmethod
     def parse(
@@ -164,6 +178,36 @@ def _runner_settings(reader: ConfigReader, locality: str) -> RunnerSettings:
 
 
 @dataclass(frozen=True)
+class MetricSettings:
+    """What a spec's metric definitions depend on, parsed and checked."""
+
+    #: >= 2: the CPU spec's store gate is on (it counts ``stores_skipped``).
+    store_threshold: int = 0
+    #: Each secondary tier's class and parsed parameters (``check_params``), in order.
+    tiers: tuple[tuple[type[SecondaryTier], Any], ...] = ()
+
+    @classmethod
+    def parse(cls, extra_config: Mapping[str, Any]) -> MetricSettings:
+        """Read what the metrics depend on from ``extra_config`` alone, with the readers
+        :meth:`SpecSettings.parse` uses; other keys are left to the engine's check.
+
+        Raises:
+            ConfigError: such a key is invalid, or a tier's type or parameters are.
+        """
+        reader = ConfigReader(extra_config)
+        tiers = []
+        for i, raw in enumerate(reader.mapping_list("secondary_tiers", [])):
+            tier_class = SecondaryTierFactory.get_tier_class(raw, tier_path(i))
+            params = SecondaryTierFactory.tier_params(raw)
+            tiers.append(
+                (tier_class, SecondaryTierFactory.parse_params(tier_class, params, tier_path(i)))
+            )
+        return cls(
+            store_threshold=reader.integer("store_threshold", 0, minimum=0), tiers=tuple(tiers)
+        )
+
+
+@dataclass(frozen=True)
 class SpecSettings:
     """A spec's ``extra_config``, parsed and checked, every default filled in."""
 
@@ -193,6 +237,14 @@ class SpecSettings:
     #: under each tier's own. None: not given.
     backpressure: Mapping[str, Any] | None
     tiers: tuple[TierConfig, ...]
+
+    @property
+    def metrics(self) -> MetricSettings:
+        """What the metric definitions depend on, from these records."""
+        return MetricSettings(
+            store_threshold=self.store_threshold,
+            tiers=tuple((tier.tier_class, tier.settings) for tier in self.tiers),
+        )
 
     @classmethod
     def parse(

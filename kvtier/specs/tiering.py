@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from kvtier.config import storage_namespace
-from kvtier.errors import ConfigError
 from kvtier.metrics import MetricDefinition, MetricsRecorder, tiering_metric_definitions
 from kvtier.region import SharedOffloadRegion
 from kvtier.specs.cpu import CPUOffloadingSpec
-from kvtier.specs.settings import TierConfig, tier_path
+from kvtier.specs.settings import MetricSettings, TierConfig
 from kvtier.tiering.loop import LoopThread, TierLoop
 from kvtier.tiering.manager import TieringOffloadingManager
 from kvtier.tiers.base import PrimaryAccess, TierContext
-from kvtier.tiers.factory import SecondaryTierFactory
 
 __all__ = ["TieringOffloadingSpec"]
 
@@ -43,17 +39,11 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         return storage_namespace(self.config, self.geometry)
 
     @classmethod
-    def build_metric_definitions(
-        cls, extra_config: Mapping[str, Any]
-    ) -> dict[str, MetricDefinition]:
-        definitions = super().build_metric_definitions(extra_config)
+    def metric_definitions(cls, settings: MetricSettings) -> dict[str, MetricDefinition]:
+        definitions = super().metric_definitions(settings)
         definitions.update(tiering_metric_definitions())
-        tiers = extra_config.get("secondary_tiers", [])
-        if not isinstance(tiers, list):
-            raise ConfigError("secondary_tiers", "expected a list of tier mappings")
-        for i, tier_config in enumerate(tiers):
-            tier_class = SecondaryTierFactory.get_tier_class(tier_config, tier_path(i))
-            definitions.update(tier_class.build_metric_definitions(tier_config))
+        for tier_class, tier_settings in settings.tiers:
+            definitions.update(tier_class.build_metric_definitions(tier_settings))
         return definitions
 
     def get_manager(self, *, loop: TierLoop | None = None) -> TieringOffloadingManager:
@@ -74,10 +64,10 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                 loop = LoopThread()
                 building.callback(loop.close)
             metrics = self.new_metrics()
-            # Each tier's parameters were checked when the settings were parsed; the
-            # tier reads them again as its keyword arguments (DESIGN section 5).
+            # Each tier is built from the settings record parsed (and derived for this
+            # engine) when the spec was: nothing is read twice.
             tiers = [
-                tier.tier_class(self._tier_context(tier, region, metrics), **tier.params)
+                tier.build(self._tier_context(tier, region, metrics))
                 for tier in self.settings.tiers
             ]
             manager = TieringOffloadingManager(

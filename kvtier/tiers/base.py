@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 from kvtier.config import ConfigReader
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricDefinition, MetricsRecorder
-from kvtier.records import Medium, OffloadingEvent
+from kvtier.records import HitSource, Medium, OffloadingEvent
 from kvtier.region import PrimaryView
 from kvtier.resources import AsyncResource
 
@@ -198,18 +198,34 @@ class TierSettings(Protocol):
 class SecondaryTier(AsyncResource):
     """One tier behind the primary tier.
 
-    Subclasses set :attr:`medium`, take their parameters as keyword arguments
-    (``type``, ``module_path`` and the framework's own keys never reach them), and
-    implement :meth:`lookup`, :meth:`store` and :meth:`load`. A tier with parameters
-    names their :class:`TierSettings` in :attr:`settings_class`, so that a configuration
-    is checked before anything is built.
+    Subclasses set :attr:`medium` (and :attr:`hit_source` where the medium does not
+    say it), implement :meth:`lookup`, :meth:`store` and :meth:`load`, and declare
+    their parameters as a :class:`TierSettings` record named in :attr:`settings_class`.
+    The framework then parses a configuration once, before anything is built
+    (:meth:`check_params`), fills in what the tier derives from the engine
+    (:meth:`effective_settings`), and builds the tier from that record::
+
+        class MyTier(SecondaryTier):
+            settings_class = MySettings
+
+            def __init__(self, ctx: TierContext, settings: MySettings) -> None:
+                super().__init__(ctx)
+                self.settings = settings
+
+    A tier whose ``__init__`` takes no ``settings`` is built with its parameters as
+    keyword arguments instead, ``tier_class(ctx, **params)`` (``type``,
+    ``module_path`` and the framework's own keys never reach it): the form for a
+    tier without a ``settings_class``, and the one plugins written before records
+    used. :meth:`settings_for` gives the record for a tier built by hand.
 
     Every coroutine runs on the tier event loop and must never block it: file and
     checksum work goes to a thread (``anyio.to_thread.run_sync`` with a bounded
     limiter), network work to async I/O. A tier never touches manager state; it only
     reads and writes the primary slots of the job it is running. Raising from
     :meth:`store` or :meth:`load` fails the job (a counted miss), as does exceeding
-    the job timeout; the framework logs it once with context.
+    the job timeout; the framework logs it once with context. :mod:`kvtier.tiers.kit`
+    holds what every real tier needs besides (a deadline under the job timeout,
+    throttled logs, secrets, corrupt-chunk handling).
 
     A job that exceeds its timeout is reported failed at once and cancelled through
     an anyio cancel scope; its slots stay out of use until its coroutine has returned.
@@ -220,12 +236,24 @@ class SecondaryTier(AsyncResource):
     them must stop them touching the job's slots before its coroutine returns.
     """
 
+    #: Where the tier keeps its bytes (in events, and what the vLLM adapter reports).
     medium: ClassVar[Medium] = Medium.STORAGE
+    #: Where a host is told a chunk loaded from this tier came from (vLLM's
+    #: ``CacheHitSource``). A class that sets :attr:`medium` and not this gets its
+    #: medium's (:meth:`HitSource.of <kvtier.records.HitSource.of>`).
+    hit_source: ClassVar[HitSource] = HitSource.DISK
     #: ``"local"`` or ``"remote"``; picks the default back-pressure water marks.
     locality: ClassVar[str] = "local"
     #: The parsed form of this tier's parameters; None for a tier that reads its
     #: keyword arguments itself.
     settings_class: ClassVar[type[TierSettings] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A class that sets its medium and no source reports its medium's; one that
+        # sets neither keeps what it inherits.
+        if "medium" in cls.__dict__ and "hit_source" not in cls.__dict__:
+            cls.hit_source = HitSource.of(cls.medium)
 
     def __init__(self, ctx: TierContext, **params: Any) -> None:
         self.ctx = ctx
@@ -249,16 +277,38 @@ class SecondaryTier(AsyncResource):
     ) -> Any:
         """``settings`` (from :meth:`check_params`) as the tier will run with them.
 
-        A tier that derives values from the framework's when it is built (a deadline
-        from ``job_timeout_s``, a limit from ``chunk_bytes``, the length of a primary
-        row) fills them in here, so that a configuration check (``kvtier plan``) shows
-        and checks them without building the tier. Opens nothing.
+        A tier that derives values from the framework's (a deadline from
+        ``job_timeout_s``, a limit from ``chunk_bytes``, the length of a primary row)
+        fills them in here, once: the tier is built from the record this returns, and
+        a configuration check (``kvtier plan``) shows and checks them without building
+        the tier. Opens nothing.
 
         Raises:
             ConfigError: a value that does not fit ``chunk_bytes`` or ``job_timeout_s``
                 (named by its path under ``path``).
         """
         return settings
+
+    @classmethod
+    def settings_for(cls, ctx: TierContext, params: Mapping[str, Any]) -> Any:
+        """The effective settings ``params`` give a tier built with ``ctx``: parsed
+        (:meth:`check_params`) and derived (:meth:`effective_settings`) as the
+        framework does. For a tier built by hand: ``MyTier(ctx, MyTier.settings_for(ctx,
+        {...}))``. None for a tier without a :attr:`settings_class`.
+
+        Raises:
+            ConfigError: a parameter is missing, invalid or unknown, or does not fit
+                the engine (named by its path under ``ctx.config_path``).
+        """
+        settings = cls.check_params(params, ctx.config_path)
+        if settings is None:
+            return None
+        return cls.effective_settings(
+            settings,
+            chunk_bytes=ctx.chunk_bytes,
+            job_timeout_s=ctx.job_timeout_s,
+            path=ctx.config_path,
+        )
 
     async def start(self) -> None:
         """Open connections or scan an index. Raising aborts the manager's start."""
@@ -323,8 +373,12 @@ class SecondaryTier(AsyncResource):
         """
 
     @classmethod
-    def build_metric_definitions(
-        cls, tier_config: Mapping[str, Any]
-    ) -> dict[str, MetricDefinition]:
-        """Metrics this tier records through ``ctx.metrics``, by name."""
+    def build_metric_definitions(cls, settings: Any) -> dict[str, MetricDefinition]:
+        """Metrics this tier records through ``ctx.metrics``, by name.
+
+        ``settings`` is the tier's parsed parameters (:meth:`check_params`; None for a
+        tier without a :attr:`settings_class`). A process that declares metrics without
+        an engine (vLLM's API server) has no chunk size, so what
+        :meth:`effective_settings` derives from it is not filled in.
+        """
         return {}

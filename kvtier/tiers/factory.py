@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -10,28 +12,31 @@ from kvtier._plugins import PluginRegistry
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import SecondaryTier, TierContext
 
-__all__ = ["FRAMEWORK_KEYS", "SecondaryTierFactory"]
+__all__ = ["SecondaryTierFactory", "framework_keys", "takes_settings"]
 
-#: Keys of a tier's configuration that the framework reads; the rest go to the tier.
-FRAMEWORK_KEYS = frozenset(
-    {
-        "type",
-        "module_path",
-        "name",
-        "backpressure",
-        "locality",
-        "max_concurrent_jobs",
-        "max_promotion_chunks",
-        "job_timeout_s",
-        "lookup_timeout_s",
-        "shutdown_grace_s",
-    }
-)
+#: Keys of a tier's mapping that select and label it and set its framework options
+#: other than how its jobs run.
+_OWN_KEYS = ("type", "module_path", "name", "backpressure", "locality")
+
+
+@functools.cache
+def framework_keys() -> frozenset[str]:
+    """Keys of a tier's configuration that the framework reads; the rest go to the tier.
+
+    How the tier is found and labelled, its ``locality`` and ``backpressure``, and a
+    key per field of :class:`~kvtier.tiering.runner.RunnerSettings`, the record of how
+    its jobs run: a field added there is a framework key at once.
+    """
+    # Imported on the first call: the tiering engine imports this package as it loads.
+    from kvtier.tiering.runner import RunnerSettings
+
+    runner = (field.name for field in dataclasses.fields(RunnerSettings))
+    return frozenset((*_OWN_KEYS, *runner))
 
 
 class SecondaryTierFactory:
-    """Tier types by name: built-in (``example``, ``fs``, ``s3``/``obj``, ``p2p``),
-    registered, or imported.
+    """Tier types by name: built-in (one registry line each below), registered, or
+    imported.
 
     A tier configuration's ``type`` is a registered name, or the name of a
     :class:`SecondaryTier` subclass to import from its ``module_path``.
@@ -48,6 +53,7 @@ class SecondaryTierFactory:
     _registry.register("s3", "kvtier.tiers.s3.tier", "S3Tier")
     _registry.register("obj", "kvtier.tiers.s3.tier", "S3Tier")
     _registry.register("p2p", "kvtier.tiers.p2p", "PeerTier")
+    _registry.register("memcached", "kvtier.tiers.memcached", "MemcachedTier")
 
     @classmethod
     def register_tier(
@@ -83,7 +89,8 @@ class SecondaryTierFactory:
     @classmethod
     def tier_params(cls, tier_config: Mapping[str, Any]) -> dict[str, Any]:
         """The keys of a tier configuration that are the tier's own parameters."""
-        return {k: v for k, v in tier_config.items() if k not in FRAMEWORK_KEYS}
+        framework = framework_keys()
+        return {k: v for k, v in tier_config.items() if k not in framework}
 
     @classmethod
     def check_tier(
@@ -117,13 +124,44 @@ class SecondaryTierFactory:
 
     @classmethod
     def create_tier(cls, tier_config: Mapping[str, Any], ctx: TierContext) -> SecondaryTier:
-        """Build the tier ``tier_config`` describes (checked as :meth:`check_tier` does)."""
-        tier_class = cls.check_tier(tier_config, ctx.config_path)
-        return tier_class(ctx, **cls.tier_params(tier_config))
+        """Build the tier ``tier_config`` describes, its parameters parsed and derived
+        for ``ctx`` as an engine does (:meth:`SecondaryTier.settings_for`).
+
+        Raises:
+            ConfigError: as :meth:`check_tier`, or a parameter that does not fit the
+                engine (``ctx.chunk_bytes``, ``ctx.job_timeout_s``).
+        """
+        tier_class = cls.get_tier_class(tier_config, ctx.config_path)
+        params = cls.tier_params(tier_config)
+        _check_signature(tier_class, params, ctx.config_path)
+        return cls.build_tier(tier_class, ctx, tier_class.settings_for(ctx, params), params)
+
+    @classmethod
+    def build_tier(
+        cls,
+        tier_class: type[SecondaryTier],
+        ctx: TierContext,
+        settings: Any,
+        params: Mapping[str, Any],
+    ) -> SecondaryTier:
+        """Build a tier from its checked configuration: its effective ``settings``
+        record (``tier_class(ctx, settings)``) when its ``__init__`` takes one, else
+        its ``params`` as keyword arguments (``tier_class(ctx, **params)``)."""
+        if settings is not None and takes_settings(tier_class):
+            return tier_class(ctx, settings)  # type: ignore[call-arg]
+        return tier_class(ctx, **params)
+
+
+def takes_settings(tier_class: type[SecondaryTier]) -> bool:
+    """Whether ``tier_class`` is built from its settings record: its ``__init__``
+    names a ``settings`` parameter after ``ctx``."""
+    return "settings" in list(inspect.signature(tier_class.__init__).parameters)[2:]
 
 
 def _check_signature(tier_class: type[SecondaryTier], params: Mapping[str, Any], path: str) -> None:
     """Name unknown or missing parameters of tiers that declare them as keywords."""
+    if tier_class.settings_class is not None and takes_settings(tier_class):
+        return  # its settings class names them
     signature = inspect.signature(tier_class.__init__)
     accepted = list(signature.parameters.values())[2:]  # self, ctx
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted):
@@ -131,7 +169,7 @@ def _check_signature(tier_class: type[SecondaryTier], params: Mapping[str, Any],
     names = {p.name for p in accepted}
     for key in params:
         if key not in names:
-            known = ", ".join(sorted(names | FRAMEWORK_KEYS))
+            known = ", ".join(sorted(names | framework_keys()))
             raise ConfigError(
                 f"{path}.{key}", f"unknown parameter of {tier_class.__name__} (known: {known})"
             )

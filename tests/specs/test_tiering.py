@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers import make_config, scripted, tiering_config
 from scripted_tier import ScriptedTier
 
 from kvtier import (
     ConfigError,
+    CPUOffloadingSpec,
     OffloadingSpecFactory,
     SecondaryTierFactory,
     TieringOffloadingSpec,
 )
+from kvtier.metrics import CounterDef
 from kvtier.region import region_path
 from kvtier.specs.settings import SpecSettings
+from kvtier.tiering.runner import RunnerSettings
 from kvtier.tiers.example import ExampleSettings, ExampleTier
-from kvtier.tiers.factory import FRAMEWORK_KEYS
+from kvtier.tiers.factory import framework_keys
 
 
 def spec_for(engine_id, tiers, **extra):
@@ -193,7 +198,7 @@ def test_promotion_chunks_in_flight_default_by_locality(engine_id, tier, expecte
         spec.shutdown()
 
 
-@pytest.mark.parametrize("key", sorted(FRAMEWORK_KEYS - {"type", "module_path"}))
+@pytest.mark.parametrize("key", sorted(framework_keys() - {"type", "module_path"}))
 def test_every_framework_key_is_read_and_checked_under_its_path(engine_id, key):
     with pytest.raises(ConfigError) as info:
         spec_for(engine_id, [{"type": "example", key: ["not", "a", "value"]}])
@@ -244,7 +249,7 @@ def test_the_parsed_settings_are_what_the_tiers_and_the_manager_get(engine_id):
         assert scripted_tier.settings is None and dict(scripted_tier.params) == {"tag": "parsed"}
         manager = spec.get_manager()
         built_example, built_scripted = manager.tiers
-        assert built_example.settings == example.settings
+        assert built_example.settings is example.settings  # built from the record itself
         assert built_example.ctx.job_timeout_s == 7.0 and built_example.ctx.tier_name == "1:mem"
         assert built_scripted.name == "parsed"
     finally:
@@ -282,3 +287,84 @@ def test_the_spec_holds_what_one_parse_of_its_config_gives(engine_id, tmp_path):
     unknown = tiering_config(engine_id, [], colour="blue")
     with pytest.raises(ConfigError, match=r"^colour: unknown setting"):
         SpecSettings.parse(unknown, spec_name="TieringOffloadingSpec", secondary_tiers=True)
+
+
+# ----------------------------------------------- tiers built from their records
+
+
+def test_every_field_of_the_runner_record_is_a_framework_key():
+    runner = {field.name for field in dataclasses.fields(RunnerSettings)}
+    assert runner <= framework_keys()
+    assert {"type", "module_path", "name", "locality", "backpressure"} <= framework_keys()
+
+
+def test_a_tier_derives_its_values_once_into_the_record_it_is_built_from(engine_id, tmp_path):
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
+    spec = spec_for(engine_id, tiers)
+    try:
+        [parsed] = spec.settings.tiers
+        # The engine's chunks are small: the record says where an adaptive depth starts.
+        assert parsed.settings.start_depth == 4
+        [built] = spec.get_manager().tiers
+        assert built.settings is parsed.settings
+        assert (built.read_depth, built.write_depth) == (4, 4)
+    finally:
+        spec.shutdown()
+
+
+def test_a_plugin_with_a_settings_class_that_reads_its_keywords_still_works(engine_id):
+    # The form plugins were written in before tiers took their records.
+    spec = spec_for(engine_id, [{"type": "KeywordTier", "module_path": __name__, "level": 3}])
+    try:
+        [config] = spec.settings.tiers
+        assert config.settings == KeywordSettings(level=3)
+        [tier] = spec.get_manager().tiers
+        assert isinstance(tier, KeywordTier) and tier.level == 3
+    finally:
+        spec.shutdown()
+
+
+def test_the_metrics_of_a_built_spec_come_from_its_parsed_records(engine_id):
+    tiers = [{"type": "example"}, {"type": "KeywordTier", "module_path": __name__, "level": 5}]
+    spec = spec_for(engine_id, tiers)
+    try:
+        from_records = spec.metric_definitions(spec.settings.metrics)
+        assert "kvtier_keyword_level_5" in from_records
+        assert (
+            from_records.keys()
+            == TieringOffloadingSpec.build_metric_definitions({"secondary_tiers": tiers}).keys()
+        )
+    finally:
+        spec.shutdown()
+
+
+def test_metric_definitions_from_extra_config_alone_check_what_they_read():
+    with pytest.raises(ConfigError, match=r"^store_threshold: "):
+        CPUOffloadingSpec.build_metric_definitions({"store_threshold": "two"})
+    with pytest.raises(ConfigError, match=r"^secondary_tiers\[0\]\.custom_parm: unknown"):
+        TieringOffloadingSpec.build_metric_definitions(
+            {"secondary_tiers": [{"type": "example", "custom_parm": 1}]}
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KeywordSettings:
+    level: int = 0
+
+    @classmethod
+    def from_params(cls, params, path):
+        return cls(level=params.get("level", 0))
+
+
+class KeywordTier(ScriptedTier):
+    """A plugin that names a settings class yet reads its keyword arguments itself."""
+
+    settings_class = KeywordSettings
+
+    def __init__(self, ctx, **params):
+        self.level = params.pop("level")
+        super().__init__(ctx, **params)
+
+    @classmethod
+    def build_metric_definitions(cls, settings):
+        return {f"kvtier_keyword_level_{settings.level}": CounterDef("A level.", ("tier",))}

@@ -7,11 +7,10 @@ import logging
 import pytest
 from helpers import keys
 
-from kvtier._logs import ThrottledLog
 from kvtier.format import chunk_name
 from kvtier.keys import OffloadKey
-from kvtier.tiers._corrupt import CorruptChunks
 from kvtier.tiers.base import TierContext
+from kvtier.tiers.kit import CorruptChunks, ThrottledLog
 
 pytestmark = pytest.mark.anyio
 

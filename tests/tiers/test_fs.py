@@ -22,6 +22,7 @@ from kvtier import ConfigError, KVTier, ReqContext, TierContext
 from kvtier.metrics import Names
 from kvtier.region import PrimaryView
 from kvtier.tiers.fs import MTIME_REFRESH_S, FileSystemTier
+from kvtier.tiers.fs.files import o_direct_works
 
 pytestmark = pytest.mark.anyio
 
@@ -339,7 +340,7 @@ async def test_a_full_filesystem_fails_cascades_without_partial_files(engine_id,
 async def test_o_direct_writes_whole_verified_files(engine_id, tmp_path):
     async with KVTier(fs_config(engine_id, tmp_path, o_direct="auto"), [kv_tensor()]) as kv:
         tier = fs_tier(kv)
-        assert tier.o_direct is tier._o_direct_works()
+        assert tier.o_direct is o_direct_works(tier.directory)
         [key] = keys("direct", 1)
         await store_all(kv, [key])
         assert tier.path_of(key).stat().st_size == 4096 + BLOCK
@@ -400,10 +401,25 @@ def test_an_adaptive_depth_starts_deeper_for_big_chunks(tmp_path, chunk_bytes, s
     # more threads at once only contend for the cores.
     row = memoryview(bytearray(chunk_bytes))
     ctx = TierContext(PrimaryView(row, 1, chunk_bytes), chunk_bytes, "namespace", "1:fs")
-    tier = FileSystemTier(ctx, root_dir=str(tmp_path))
+    settings = FileSystemTier.settings_for(ctx, {"root_dir": str(tmp_path)})
+    assert settings.start_depth == start  # derived once, in the record
+    tier = FileSystemTier(ctx, settings)
     assert (tier.read_depth, tier.write_depth) == (start, start)
-    fixed = FileSystemTier(ctx, root_dir=str(tmp_path), io_concurrency=8)
-    assert (fixed.read_depth, fixed.write_depth) == (8, 8)
+    fixed = FileSystemTier.settings_for(ctx, {"root_dir": str(tmp_path), "io_concurrency": 8})
+    assert (FileSystemTier(ctx, fixed).read_depth, FileSystemTier(ctx, fixed).write_depth) == (8, 8)
+
+
+def test_a_tier_built_with_keywords_parses_them_as_the_framework_does(tmp_path):
+    # Subclasses that read keyword arguments of their own (benchmarks/throttled_tier.py)
+    # hand the rest on this way.
+    row = memoryview(bytearray(4096))
+    ctx = TierContext(PrimaryView(row, 1, 4096), 4096, "namespace", "1:fs")
+    by_keywords = FileSystemTier(ctx, root_dir=str(tmp_path), io_concurrency=2)
+    assert by_keywords.settings == FileSystemTier.settings_for(
+        ctx, {"root_dir": str(tmp_path), "io_concurrency": 2}
+    )
+    with pytest.raises(TypeError, match="not both"):
+        FileSystemTier(ctx, by_keywords.settings, root_dir=str(tmp_path))
 
 
 async def test_an_adaptive_depth_starts_within_its_bounds_and_its_gauge_follows_it(

@@ -16,11 +16,11 @@ from typing import Any
 
 import anyio
 
-from kvtier._logs import ThrottledLog
 from kvtier.format import ChunkFormat
 from kvtier.keys import OffloadKey
 from kvtier.resources import TaskSet
 from kvtier.tiers.base import PrimaryAccess, TierContext
+from kvtier.tiers.kit import ThrottledLog
 from kvtier.tiers.p2p.handshake import Credentials
 from kvtier.tiers.p2p.index import Announcer, PeerIndex
 

@@ -29,7 +29,7 @@ import ssl
 import struct
 from dataclasses import dataclass
 
-from kvtier._secrets import Secret
+from kvtier.tiers.kit import Secret
 from kvtier.tiers.p2p.channel import Buffer, Channel, TlsChannel
 from kvtier.tiers.p2p.errors import (
     AuthError,

@@ -17,10 +17,10 @@ from collections import deque
 
 import anyio
 
-from kvtier._logs import describe_error
 from kvtier.format import HEADER_BYTES
 from kvtier.keys import OffloadKey
 from kvtier.resources import TaskSet
+from kvtier.tiers.kit import describe_error
 from kvtier.tiers.p2p.channel import Channel, Listener
 from kvtier.tiers.p2p.context import AUTH_FAILURES, FRAMES_REJECTED, SERVED_CHUNKS, Direction, Node
 from kvtier.tiers.p2p.errors import AuthError, LinkError, ProtocolError, SelfConnection

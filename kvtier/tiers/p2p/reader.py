@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import anyio
 
-from kvtier._logs import describe_error
 from kvtier.format import HEADER_BYTES
 from kvtier.keys import OffloadKey
+from kvtier.tiers.kit import describe_error
 from kvtier.tiers.p2p.channel import Channel, Transport, format_address
 from kvtier.tiers.p2p.context import AUTH_FAILURES, FRAMES_REJECTED, Direction, Node
 from kvtier.tiers.p2p.errors import (

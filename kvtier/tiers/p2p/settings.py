@@ -8,16 +8,14 @@ read when the tier starts, in a thread: :func:`read_secret_file`,
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import ssl
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier._secrets import Secret
-from kvtier.config import ConfigReader
-from kvtier.errors import ConfigError
+from kvtier.tiers import kit
+from kvtier.tiers.kit import ConfigError, ConfigReader, Secret
 from kvtier.tiers.p2p.channel import format_address
 from kvtier.tiers.p2p.wire import CONTROL_BATCH_BYTES, chunk_body_bytes
 
@@ -218,6 +216,11 @@ class PeerSettings:
             max_inbound_connections=max_inbound,
         )
 
+    def for_chunks(self, chunk_bytes: int, path: str) -> PeerSettings:
+        """These settings for rows of ``chunk_bytes``: ``max_frame_bytes`` filled in
+        (:meth:`frame_limit`)."""
+        return dataclasses.replace(self, max_frame_bytes=self.frame_limit(chunk_bytes, path))
+
     def frame_limit(self, chunk_bytes: int, path: str) -> int:
         """The frame limit for rows of ``chunk_bytes``: the setting, or its default.
 
@@ -257,34 +260,10 @@ def parse_address(value: str, path: str, *, listen: bool) -> tuple[str, int]:
 
 
 def read_secret_file(path: str, config_path: str) -> Secret[bytes]:
-    """Read a secret file that only its owner may access. Runs in a thread.
+    """Read ``secret_file``: a file only its owner may access, holding at least
+    :data:`MIN_SECRET_BYTES` bytes. Runs in a thread.
 
     Raises:
-        ConfigError: the file cannot be opened, is not a regular file, is accessible
-            to its group or others, or holds too short a secret.
+        ConfigError: see :func:`kvtier.tiers.kit.read_secret_file`.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(config_path, f"cannot open {path}: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(config_path, f"{path} is not a regular file")
-        mode = stat.S_IMODE(info.st_mode)
-        if mode & 0o077:
-            raise ConfigError(
-                config_path,
-                f"{path} has mode {mode:04o}: a secret file must not be readable (or "
-                f"writable) by its group or the world; run chmod 600 {path}",
-            )
-        with os.fdopen(os.dup(fd), "rb") as file:
-            data = file.read(1 << 16)
-    finally:
-        os.close(fd)
-    key = data.rstrip(b"\r\n")
-    if len(key) < MIN_SECRET_BYTES:
-        raise ConfigError(
-            config_path, f"{path} holds fewer than {MIN_SECRET_BYTES} bytes of secret"
-        )
-    return Secret(key)
+    return kit.read_secret_file(path, config_path, min_bytes=MIN_SECRET_BYTES)

@@ -8,23 +8,22 @@ the peers that announced them. The connections themselves live in
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio.to_thread
 
-from kvtier._logs import ThrottledLog
 from kvtier.errors import ConfigError
 from kvtier.format import ChunkFormat
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
-from kvtier.records import EventLog, Medium, OffloadingEvent
+from kvtier.records import Medium, OffloadingEvent
 from kvtier.resources import TaskSet
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
+from kvtier.tiers.kit import EventLog, ThrottledLog
 from kvtier.tiers.p2p.channel import Listener, Transport, format_address
 from kvtier.tiers.p2p.context import (
     AUTH_FAILURES,
@@ -54,25 +53,23 @@ _BACKLOG_PER_INBOUND = 4
 class PeerTier(SecondaryTier):
     """Shares this node's primary tier with peers and reads theirs.
 
-    Parameters: see :class:`~kvtier.tiers.p2p.settings.PeerSettings`. ``transport``
-    (not a configuration key) replaces the TCP transport, e.g. with
-    :class:`~kvtier.tiers.p2p.memory.MemoryTransport` in tests.
+    Built from its effective :class:`~kvtier.tiers.p2p.settings.PeerSettings`
+    (:meth:`effective_settings`). ``transport`` (not a configuration key) replaces the
+    TCP transport, e.g. with :class:`~kvtier.tiers.p2p.memory.MemoryTransport` in tests.
     """
 
-    medium = Medium.NETWORK
+    medium = Medium.NETWORK  # its hits are P2P ones
     locality = "remote"
     settings_class = PeerSettings
 
     def __init__(
-        self, ctx: TierContext, *, transport: Transport | None = None, **params: Any
+        self, ctx: TierContext, settings: PeerSettings, *, transport: Transport | None = None
     ) -> None:
         super().__init__(ctx)
-        if transport is not None and not isinstance(transport, Transport):
-            # A configuration that says "transport": refused like any unknown key.
-            params = {**params, "transport": transport}
-            transport = None
-        self.settings = PeerSettings.from_params(params, ctx.config_path)
-        self.max_frame_bytes = self.settings.frame_limit(ctx.chunk_bytes, ctx.config_path)
+        # Filled in by effective_settings, from which the framework builds the tier.
+        assert settings.max_frame_bytes is not None
+        self.settings = settings
+        self.max_frame_bytes = settings.max_frame_bytes
         self._transport = SocketTransport() if transport is None else transport
         self._node_id = secrets.token_bytes(NODE_ID_BYTES)
         self._index: PeerIndex[Link] = PeerIndex()
@@ -99,12 +96,10 @@ class PeerTier(SecondaryTier):
         """The settings with ``max_frame_bytes`` as the tier derives it from the chunk
         size (checked to hold one chunk frame)."""
         given: PeerSettings = settings
-        return dataclasses.replace(given, max_frame_bytes=given.frame_limit(chunk_bytes, path))
+        return given.for_chunks(chunk_bytes, path)
 
     @classmethod
-    def build_metric_definitions(
-        cls, tier_config: Mapping[str, Any]
-    ) -> dict[str, MetricDefinition]:
+    def build_metric_definitions(cls, settings: Any) -> dict[str, MetricDefinition]:
         return {
             CONNECTIONS: GaugeDef(
                 "Authenticated p2p connections, by tier and direction (inbound: peers "

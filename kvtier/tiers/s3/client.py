@@ -42,10 +42,10 @@ from botocore.exceptions import (
 )
 
 from kvtier import __version__
-from kvtier._logs import describe_error
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.format import MISSING
 from kvtier.resources import AsyncResource
+from kvtier.tiers.kit import describe_error
 from kvtier.tiers.s3.body import RequestBody, fill, split_parts
 from kvtier.tiers.s3.settings import S3Settings, display_url
 

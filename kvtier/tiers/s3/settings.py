@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from kvtier._secrets import Secret
-from kvtier.config import ConfigReader
-from kvtier.errors import ConfigError
 from kvtier.format import HEADER_BYTES
+from kvtier.tiers.kit import (
+    ConfigError,
+    ConfigReader,
+    Secret,
+    derived_field,
+    job_deadline_s,
+    read_secret,
+)
 
 __all__ = ["S3Settings", "display_url"]
 
@@ -39,10 +45,6 @@ DEFAULT_READ_TIMEOUT_S = 10.0
 # sleep at most 0.1 + 0.2 + 0.4 + 0.8 + 1.6 = 3.1 s, the time S3 asks a throttled
 # client to slow down for.
 DEFAULT_RETRY_ATTEMPTS = 5
-# Every request of a job, retries and back-off included, ends this share of the
-# framework's job_timeout_s after the job started (20 s of the default 30 s): the tier
-# ends its own requests (and closes their connections) before the framework gives up.
-JOB_DEADLINE_SHARE = 2 / 3
 # Long enough to answer the scheduler's repeated lookups of one step and the store
 # that follows a miss from memory, short enough that another writer's objects are
 # seen within a couple of seconds.
@@ -58,8 +60,9 @@ _ADDRESSING_STYLES = ("auto", "path", "virtual")
 class S3Settings:
     """The s3 tier's parameters (``{"type": "s3", "bucket": ...}``).
 
-    Credentials are :class:`~kvtier._secrets.Secret`: no repr, log line or error
-    message shows them.
+    Credentials are :class:`~kvtier.tiers.kit.Secret`: no repr, log line or error
+    message shows them. :meth:`for_engine` fills in what the tier derives from the
+    engine (``job_deadline_s``, ``object_bytes``).
     """
 
     #: The bucket that holds the chunk objects. Required; it must exist.
@@ -97,7 +100,8 @@ class S3Settings:
     retry_attempts: int = DEFAULT_RETRY_ATTEMPTS
     #: Seconds a job's requests may take together, retries included, before the job
     #: fails. None (the default): two thirds of the tier's ``job_timeout_s`` (20 s of
-    #: 30). It must stay below ``job_timeout_s`` (see :meth:`job_deadline_for`).
+    #: 30; :func:`kvtier.tiers.kit.job_deadline_s`). It must stay below
+    #: ``job_timeout_s``. Filled in by :meth:`for_engine`.
     job_deadline_s: float | None = None
     #: Seconds a lookup's answer is reused before the server is asked again (2);
     #: 0 turns the cache off.
@@ -108,6 +112,9 @@ class S3Settings:
     #: Sign each request's payload with SHA-256 (false: every chunk carries its own
     #: checksum, verified on every load).
     sign_payload: bool = False
+    #: The size of every chunk object (header + primary row). Not a parameter: filled
+    #: in from the engine's chunk size by :meth:`for_engine`.
+    object_bytes: int | None = derived_field()
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], path: str) -> S3Settings:
@@ -130,9 +137,9 @@ class S3Settings:
         prefix = reader.raw("prefix", "")
         if not isinstance(prefix, str):
             raise ConfigError(reader.path_of("prefix"), "expected a string")
-        access_key_id = reader.string("access_key_id", None, secret=True)
-        secret_access_key = reader.string("secret_access_key", None, secret=True)
-        session_token = reader.string("session_token", None, secret=True)
+        access_key_id = read_secret(reader, "access_key_id")
+        secret_access_key = read_secret(reader, "secret_access_key")
+        session_token = read_secret(reader, "session_token")
         if (access_key_id is None) != (secret_access_key is None):
             missing = "secret_access_key" if secret_access_key is None else "access_key_id"
             raise ConfigError(
@@ -147,9 +154,9 @@ class S3Settings:
             endpoint_url=endpoint_url,
             region=region,
             prefix=prefix.strip("/"),
-            access_key_id=_secret(access_key_id),
-            secret_access_key=_secret(secret_access_key),
-            session_token=_secret(session_token),
+            access_key_id=access_key_id,
+            secret_access_key=secret_access_key,
+            session_token=session_token,
             addressing_style=reader.string(
                 "addressing_style",
                 "path" if endpoint_url is not None else "auto",
@@ -195,6 +202,20 @@ class S3Settings:
         }
         return {name: secret.value for name, secret in given.items() if secret is not None}
 
+    def for_engine(self, *, chunk_bytes: int, job_timeout_s: float, path: str) -> S3Settings:
+        """These settings for an engine's chunks and job time-out: ``job_deadline_s``
+        and ``object_bytes`` filled in.
+
+        Raises:
+            ConfigError: ``job_deadline_s`` is not below ``job_timeout_s``, or a chunk
+                object would take more parts than S3 allows (named under ``path``).
+        """
+        return dataclasses.replace(
+            self,
+            job_deadline_s=self.job_deadline_for(job_timeout_s, path),
+            object_bytes=self.object_bytes_for(chunk_bytes, path),
+        )
+
     def job_deadline_for(self, job_timeout_s: float, path: str) -> float:
         """Seconds a job's requests may take, for a tier whose jobs time out after
         ``job_timeout_s``.
@@ -203,15 +224,7 @@ class S3Settings:
             ConfigError: ``job_deadline_s`` is not below ``job_timeout_s`` (named by
                 ``path.job_deadline_s``).
         """
-        if self.job_deadline_s is None:
-            return job_timeout_s * JOB_DEADLINE_SHARE
-        if self.job_deadline_s >= job_timeout_s:
-            raise ConfigError(
-                f"{path}.job_deadline_s",
-                f"must be below the tier's job_timeout_s ({job_timeout_s:g} s), or the "
-                "framework gives up on jobs while their requests still run",
-            )
-        return self.job_deadline_s
+        return job_deadline_s(job_timeout_s, self.job_deadline_s, f"{path}.job_deadline_s")
 
     def object_bytes_for(self, chunk_bytes: int, path: str) -> int:
         """The size of the object that holds a chunk of ``chunk_bytes``.
@@ -231,10 +244,6 @@ class S3Settings:
                 f"S3 allows {MAX_PARTS}",
             )
         return object_bytes
-
-
-def _secret(value: str | None) -> Secret[str] | None:
-    return None if value is None else Secret(value)
 
 
 def display_url(url: str | None) -> str:

@@ -28,18 +28,16 @@ Requests, their retries and the job deadline are the client's
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import anyio.to_thread
 from aiobotocore.session import AioSession
 
-from kvtier._logs import ThrottledLog, describe_error
 from kvtier.format import (
     HEADER_BYTES,
     MISSING,
@@ -50,9 +48,9 @@ from kvtier.format import (
 )
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, MetricDefinition
-from kvtier.records import EventLog, Medium, OffloadingEvent
-from kvtier.tiers._corrupt import CorruptChunks
+from kvtier.records import Medium, OffloadingEvent
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
+from kvtier.tiers.kit import CorruptChunks, EventLog, ThrottledLog, describe_error
 from kvtier.tiers.s3.client import Failed, S3Client, S3TierError, Upload, each
 from kvtier.tiers.s3.settings import S3Settings, display_url
 
@@ -76,19 +74,22 @@ _INLINE_CHECKSUM_BYTES = 8 * (1 << 20)
 class S3Tier(SecondaryTier):
     """Chunks as objects in an S3 bucket (AWS, or any S3-speaking server).
 
-    Parameters: :class:`~kvtier.tiers.s3.settings.S3Settings`. The bucket must
-    exist; :meth:`start` checks that it can be reached and fails with a message
-    naming the setting to fix when it cannot.
+    Built from its effective :class:`~kvtier.tiers.s3.settings.S3Settings`
+    (:meth:`effective_settings`). The bucket must exist; :meth:`start` checks that it
+    can be reached and fails with a message naming the setting to fix when it cannot.
     """
 
+    # Object storage: vLLM's own object-store tier reports its hits as disk ones too.
     medium = Medium.STORAGE
     locality = "remote"
     settings_class = S3Settings
 
-    def __init__(self, ctx: TierContext, **params: Any) -> None:
+    def __init__(self, ctx: TierContext, settings: S3Settings) -> None:
         super().__init__(ctx)
-        self.settings = S3Settings.from_params(params, ctx.config_path)
-        self.object_bytes = self.settings.object_bytes_for(ctx.chunk_bytes, ctx.config_path)
+        # Filled in by effective_settings, from which the framework builds the tier.
+        assert settings.object_bytes is not None and settings.job_deadline_s is not None
+        self.settings = settings
+        self.object_bytes = settings.object_bytes
         self._format = ChunkFormat(ctx.namespace)
         directory = namespace_directory(ctx.model_name, self._format)
         prefix = self.settings.prefix
@@ -97,7 +98,7 @@ class S3Tier(SecondaryTier):
         self.client = S3Client(
             self.settings,
             object_bytes=self.object_bytes,
-            job_deadline_s=self.settings.job_deadline_for(ctx.job_timeout_s, ctx.config_path),
+            job_deadline_s=settings.job_deadline_s,
             label=f"tier {ctx.tier_name}",
             config_path=ctx.config_path,
             on_retry=self._count_retry,
@@ -137,17 +138,13 @@ class S3Tier(SecondaryTier):
         cls, settings: Any, *, chunk_bytes: int, job_timeout_s: float, path: str
     ) -> S3Settings:
         """The settings with ``job_deadline_s`` as the tier derives it from
-        ``job_timeout_s``; chunk objects checked against S3's part limit."""
+        ``job_timeout_s`` and the size of its chunk objects (checked against S3's part
+        limit)."""
         given: S3Settings = settings
-        given.object_bytes_for(chunk_bytes, path)
-        return dataclasses.replace(
-            given, job_deadline_s=given.job_deadline_for(job_timeout_s, path)
-        )
+        return given.for_engine(chunk_bytes=chunk_bytes, job_timeout_s=job_timeout_s, path=path)
 
     @classmethod
-    def build_metric_definitions(
-        cls, tier_config: Mapping[str, Any]
-    ) -> dict[str, MetricDefinition]:
+    def build_metric_definitions(cls, settings: Any) -> dict[str, MetricDefinition]:
         return {
             RETRIES: CounterDef(
                 "S3 requests retried after throttling, a server error or a broken "
