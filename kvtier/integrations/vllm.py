@@ -10,11 +10,13 @@ Name it in ``--kv-transfer-config``::
          "secondary_tiers": [{"type": "fs", "root_dir": "/var/cache/kvtier"}]}}
 
 vLLM's connector then drives kvtier's manager from its scheduler and kvtier's worker
-from each GPU worker. This module and :mod:`kvtier.integrations.vllm_stats` (metric
-definitions and stats) are the only ones in kvtier that import vLLM: they translate at
-the boundary (vLLM's lookup results, load/store specs, events, metrics) and keep kvtier
-itself free of vLLM. The ``extra_config`` is read by :mod:`kvtier.integrations.vllm_config`,
-which ``kvtier plan`` uses too, with or without vLLM installed.
+from each GPU worker. This module, :mod:`kvtier.integrations.vllm_stats` (metric
+definitions and stats) and :mod:`kvtier.integrations.vllm_tiers` (each tier's medium,
+locality and hit source, and events) are the only ones in kvtier that import vLLM: they
+translate at the boundary (vLLM's lookup results, load/store specs, events, metrics)
+and keep kvtier itself free of vLLM. The ``extra_config`` is read by
+:mod:`kvtier.integrations.vllm_config`, which ``kvtier plan`` uses too, with or without
+vLLM installed.
 
 What vLLM does differently from a kvtier host, and how the adapter answers it:
 
@@ -59,16 +61,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload import base as vllm_base
 from vllm.v1.kv_offload.config import OffloadingConfig as VllmOffloadingConfig
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvtier
 from kvtier.config import OffloadingConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm_config import translate_extra_config
 from kvtier.integrations.vllm_stats import StatsRecorder, vllm_metric_definitions
+from kvtier.integrations.vllm_tiers import TierDescriptions
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricsRecorder
-from kvtier.records import LookupResult, Medium, OffloadingEvent, ReqContext, ScheduleEndContext
+from kvtier.records import LookupResult, ReqContext, ScheduleEndContext
 from kvtier.specs.cpu import CPUOffloadingSpec
 from kvtier.specs.factory import spec_name_for
 from kvtier.specs.tiering import TieringOffloadingSpec
@@ -96,27 +98,6 @@ _LOOKUP = {
 _HIT, _HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING
 _VLLM_HIT, _VLLM_HIT_PENDING = vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING
 
-# vLLM knows CPU and STORAGE media. A p2p tier serves a peer's CPU memory: CPU, remote.
-_MEDIUM = {
-    Medium.CPU: vllm_base.Medium.CPU,
-    Medium.GPU: vllm_base.Medium.CPU,
-    Medium.STORAGE: vllm_base.Medium.STORAGE,
-    Medium.NETWORK: vllm_base.Medium.CPU,
-}
-_LOCALITY = {"local": vllm_base.Locality.LOCAL, "remote": vllm_base.Locality.REMOTE}
-
-
-def _tier_locality(medium: Medium, locality: vllm_base.Locality) -> vllm_base.Locality:
-    """The locality vLLM sees for a tier: a peer tier's bytes are remote ones."""
-    return vllm_base.Locality.REMOTE if medium is Medium.NETWORK else locality
-
-
-_SOURCE = {
-    Medium.CPU: CacheHitSource.HOST,
-    Medium.STORAGE: CacheHitSource.DISK,
-    Medium.NETWORK: CacheHitSource.P2P,
-}
-
 _ENGINE_ID_BAD = re.compile(r"[^A-Za-z0-9_.-]")
 
 #: Label names of ``vllm:kv_offload_config_info`` this spec fills.
@@ -130,12 +111,12 @@ def _kvtier_spec_class(extra_config: Mapping[str, Any]) -> type[CPUOffloadingSpe
 
 class _CPUSpec(CPUOffloadingSpec):
     def new_metrics(self) -> MetricsRecorder:
-        return StatsRecorder(self.build_metric_definitions(self.config.extra_config), self.registry)
+        return StatsRecorder(self.metric_definitions(self.settings.metrics), self.registry)
 
 
 class _TieringSpec(TieringOffloadingSpec):
     def new_metrics(self) -> MetricsRecorder:
-        return StatsRecorder(self.build_metric_definitions(self.config.extra_config), self.registry)
+        return StatsRecorder(self.metric_definitions(self.settings.metrics), self.registry)
 
 
 @dataclass(frozen=True)
@@ -367,7 +348,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         self._lock = threading.RLock()
         #: Keys each request saw as HIT this step, in lookup (prefix) order.
         self._hits: dict[str, dict[OffloadKey, None]] = {}
-        self._tiers = self._describe_tiers()
+        self._tiers = TierDescriptions(self.kvtier.tiers, spec.settings.tiers)
         #: vLLM's context of the request looked up last, and kvtier's for it: vLLM
         #: looks a request's keys up one after another.
         self._last_context: tuple[vllm_base.ReqContext | None, ReqContext] = (
@@ -377,14 +358,6 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         #: Whether the tiers had work at the last stats call (True: the first call
         #: flushes what was counted at start-up).
         self._was_busy = True
-
-    def _describe_tiers(self) -> dict[str, tuple[Medium, vllm_base.Locality]]:
-        # The locality the spec parsed (given, else the tier class's): the one that
-        # also chose the tier's back-pressure water marks.
-        return {
-            config.label: (tier.medium, _LOCALITY[config.locality])
-            for tier, config in zip(self.kvtier.tiers, self.spec.settings.tiers, strict=True)
-        }
 
     @property
     def lock(self) -> threading.RLock:
@@ -398,14 +371,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
             return last
         ctx: ReqContext | None = req_context.get_state(ReqContext)
         if ctx is None:
-            load_filter = req_context.load_tier_filter
-            load_tiers = None
-            if load_filter is not vllm_base.TierFilter.ALL:
-                load_tiers = frozenset(
-                    label
-                    for label, (medium, locality) in self._tiers.items()
-                    if load_filter.allows(_MEDIUM[medium], _tier_locality(medium, locality))
-                )
+            load_tiers = self._tiers.load_tiers(req_context.load_tier_filter)
             ctx = ReqContext(req_context.req_id, req_context.kv_transfer_params, load_tiers)
             req_context.set_state(ctx)
         self._last_context = (req_context, ctx)
@@ -430,10 +396,8 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
 
     def get_load_source(self, key: OffloadKey, req_context: vllm_base.ReqContext) -> Any:
         # The manager's own record of the tier that promoted the key for the request.
-        label = self.kvtier.host.load_source(key, self._context(req_context))
-        if label is None:
-            return CacheHitSource.HOST
-        return _SOURCE.get(self._tiers[label][0], CacheHitSource.EXTERNAL_UNSPECIFIED)
+        # The source the tier declares (SecondaryTier.hit_source).
+        return self._tiers.hit_source(self.kvtier.host.load_source(key, self._context(req_context)))
 
     # ---------------------------------------------------------------- loads
 
@@ -515,25 +479,7 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
     # --------------------------------------------------------------- events
 
     def take_events(self) -> Iterable[vllm_base.OffloadingEvent]:
-        return [self._event(event) for event in self.kvtier.take_events()]
-
-    def _event(self, event: OffloadingEvent) -> vllm_base.OffloadingEvent:
-        described = self._tiers.get(event.tier)
-        if described is None:  # the primary tier
-            medium, locality, ownership = event.medium, vllm_base.Locality.LOCAL, None
-        else:
-            medium, locality = described
-            ownership = event.tier
-            locality = _tier_locality(medium, locality)
-        return vllm_base.OffloadingEvent(
-            keys=list(event.keys),
-            medium=_MEDIUM[medium],
-            removed=event.removed,
-            locality=locality,
-            ownership=ownership,
-            # Every kvtier tier announces what it evicts.
-            removal_expected=not event.removed,
-        )
+        return [self._tiers.event(event) for event in self.kvtier.take_events()]
 
     # ------------------------------------------------------------ lifecycle
 
