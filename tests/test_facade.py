@@ -423,7 +423,7 @@ async def test_a_lookup_gives_a_tier_not_measured_yet_a_tenth_of_the_recompute(e
         tier = ScriptedTier.instances["unmeasured"]
         tier.gate.clear()  # the tier has become a link that does not deliver
         try:
-            kv.manager.host.set_recompute_cost(10.0)
+            kv.recompute_s_per_chunk = 10.0
             started = time.monotonic()
             # Recomputing both chunks takes 20 s; a probe may cost a tenth of that.
             assert await asyncio.wait_for(kv.lookup(ks, "r", timeout=600), 30) == 0
@@ -444,7 +444,7 @@ async def test_a_lookup_waits_no_longer_than_recomputing_its_chunks_would_take(e
         ks = await in_the_tier_only(kv, "bounded", 3)
         assert await kv.lookup(ks[:1], "measure") == 1  # the tier is measured now
         kv.finish("measure")
-        kv.manager.host.set_recompute_cost(0.1)
+        kv.recompute_s_per_chunk = 0.1
         tier = ScriptedTier.instances["stuck"]
         tier.gate.clear()  # the promotion never ends
         try:
@@ -453,3 +453,13 @@ async def test_a_lookup_waits_no_longer_than_recomputing_its_chunks_would_take(e
         finally:
             tier.gate.set()
         kv.finish("r")
+
+
+async def test_the_facade_tells_its_size_and_takes_the_recompute_cost(engine_id):
+    async with KVTier(example_config(engine_id, chunks=8), [cache()]) as kv:
+        assert kv.num_chunks == 8
+        assert kv.recompute_s_per_chunk is None
+        kv.recompute_s_per_chunk = 0.5
+        assert kv.recompute_s_per_chunk == 0.5
+        with pytest.raises(ValueError, match="seconds_per_chunk"):
+            kv.recompute_s_per_chunk = -1.0

@@ -52,3 +52,31 @@ def test_importing_kvtier_never_imports_pytest():
     check = "import sys, kvtier; assert 'pytest' not in sys.modules, 'pytest was imported'"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# The host layer every host is a shell over; a synchronous engine uses its PageStore.
+HOST_NAMES = [
+    "Fence",
+    "IOSample",
+    "PageStore",
+    "Requests",
+    "Segment",
+    "Step",
+    "StoreRoom",
+    "step_until",
+    "step_until_blocking",
+]
+
+
+def test_the_host_layer_exports_its_names():
+    import kvtier.hosts
+
+    assert sorted(kvtier.hosts.__all__) == sorted(HOST_NAMES)
+    assert all(getattr(kvtier.hosts, name) is not None for name in HOST_NAMES)
+
+
+def test_sglangs_page_store_is_the_host_layers():
+    import kvtier.hosts
+    import kvtier.integrations.sglang
+
+    assert kvtier.integrations.sglang.PageStore is kvtier.hosts.PageStore
