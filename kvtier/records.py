@@ -41,13 +41,13 @@ class Medium(enum.Enum):
     """Where a tier keeps its bytes."""
 
     GPU = "GPU"
-    #: This engine's CPU memory (the primary tier, the example tier).
+    #: This engine's CPU memory (the primary tier).
     CPU = "CPU"
-    #: A disk or an object store (fs, s3).
+    #: A disk, local or shared, or an object store.
     STORAGE = "STORAGE"
-    #: Other engines' memory, reached over the network (p2p).
+    #: Other engines' memory, reached over the network.
     NETWORK = "NETWORK"
-    #: A memory server outside the engines (memcached, Redis, Valkey, Mooncake).
+    #: A memory server outside the engines (memcached, Redis, Valkey).
     REMOTE_MEMORY = "REMOTE_MEMORY"
 
 
@@ -61,9 +61,9 @@ class HitSource(enum.Enum):
 
     #: Host memory: this engine's, or any tier that keeps bytes in its CPU memory.
     HOST = "host"
-    #: Another engine's memory (p2p).
+    #: Another engine's memory.
     P2P = "p2p"
-    #: A disk, local or shared, or an object store (fs, s3; vLLM's own obj tier too).
+    #: A disk, local or shared, or an object store (as vLLM's own object tier says).
     DISK = "disk"
     #: A store outside the engines that is neither of the above (a remote memory
     #: server): vLLM's ``external_unspecified``.

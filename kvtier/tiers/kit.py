@@ -4,8 +4,8 @@ A tier that talks to a server or a disk meets the same few problems as every oth
 parsing its settings with errors that name the key, keeping credentials out of logs,
 ending its own I/O before the framework gives up on a job, logging a failure that
 repeats once rather than per chunk, and dealing with a stored chunk that fails
-verification. The built-in tiers (fs, s3, p2p, memcached) use this module for all of
-them, and so can a plugin; nothing here is private to kvtier.
+verification. The built-in tiers use this module for all of them, and so can a plugin;
+nothing here is private to kvtier.
 
 =========================  ===========================================================
 settings                   :class:`ConfigReader` (typed reads, errors naming
