@@ -1,4 +1,9 @@
-"""``KVTier``: the await-based face of kvtier for an async serving stack."""
+"""``KVTier``: the await-based face of kvtier for an async serving stack.
+
+A thin shell over the host layer (:mod:`kvtier.hosts`): its fence, its waits for tier
+work, its store batches and its request records are the page store's too. What is the
+facade's own is the worker's GPU copies, run to their end even if their caller goes.
+"""
 
 from __future__ import annotations
 

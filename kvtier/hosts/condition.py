@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable
-from types import TracebackType
 from typing import TypeVar
 
 from kvtier.resources import resolve_threadsafe
@@ -25,8 +24,8 @@ _T = TypeVar("_T")
 class Condition:
     """State guarded by one lock, and the tasks and threads that wait for it to change.
 
-    Change the state inside ``with condition:`` and call :meth:`changed` before leaving:
-    every waiter then checks its predicate again. A thread waits in
+    Change the state inside ``with condition.lock:`` and call :meth:`changed` before
+    leaving: every waiter then checks its predicate again. A thread waits in
     :meth:`when_blocking`, a task awaits :meth:`when`; both check the predicate and act
     on it under the lock, so what they saw still holds when they act. The lock is held
     only for those checks and changes, never while anyone waits, so taking it on an
@@ -34,24 +33,14 @@ class Condition:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        #: The lock guarding the state (a ``threading.Condition``, which waiting
+        #: threads sleep on).
+        self.lock = threading.Condition()
         self._futures: list[asyncio.Future[None]] = []
-
-    def __enter__(self) -> Condition:
-        self._cond.acquire()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._cond.release()
 
     def changed(self) -> None:
         """Wake every waiter (call it with the lock held, after changing the state)."""
-        self._cond.notify_all()
+        self.lock.notify_all()
         futures, self._futures = self._futures, []
         for future in futures:
             resolve_threadsafe(future, None)
@@ -59,8 +48,8 @@ class Condition:
     def when_blocking(self, ready: Callable[[], bool], then: Callable[[], _T]) -> _T:
         """Block the calling thread until ``ready()`` holds, then return ``then()``,
         both under the lock."""
-        with self._cond:
-            self._cond.wait_for(ready)
+        with self.lock:
+            self.lock.wait_for(ready)
             return then()
 
     async def when(self, ready: Callable[[], bool], then: Callable[[], _T]) -> _T:
@@ -68,7 +57,7 @@ class Condition:
         ``then()``, both under the lock."""
         loop = asyncio.get_running_loop()
         while True:
-            with self._cond:
+            with self.lock:
                 if ready():
                     return then()
                 future: asyncio.Future[None] = loop.create_future()
@@ -87,7 +76,7 @@ class Flag:
         return self._set
 
     def set(self) -> None:
-        with self._state:
+        with self._state.lock:
             self._set = True
             self._state.changed()
 

@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.hosts.condition import Condition, cancel_threadsafe
 
 __all__ = ["Fence"]
+
+_T = TypeVar("_T")
 
 
 class Fence:
@@ -62,7 +64,7 @@ class Fence:
         ``check`` runs once the operation may enter, before it is counted; what it
         raises keeps the operation out.
         """
-        entered = await self._state.when(self._lowered, lambda: self._enter(check))
+        entered = await self._when(lambda: self._enter(check))
         try:
             yield entered
         finally:
@@ -72,7 +74,7 @@ class Fence:
     @contextlib.contextmanager
     def operation_blocking(self, check: Callable[[], None] | None = None) -> Iterator[bool]:
         """:meth:`operation` for a thread."""
-        entered = self._state.when_blocking(self._lowered, lambda: self._enter(check))
+        entered = self._when_blocking(lambda: self._enter(check))
         try:
             yield entered
         finally:
@@ -89,12 +91,12 @@ class Fence:
             waiting.close()
             return
         wait = asyncio.ensure_future(waiting)
-        with self._state:
+        with self._state.lock:
             self._waits.add(wait)
         try:
             await asyncio.wait({wait}, timeout=remaining)
         finally:
-            with self._state:
+            with self._state.lock:
                 self._waits.discard(wait)
             wait.cancel()
 
@@ -103,7 +105,7 @@ class Fence:
     @contextlib.asynccontextmanager
     async def fenced(self, *, closing: bool = False) -> AsyncIterator[bool]:
         """Run the body alone (a task): yields whether the host was open."""
-        was_open = await self._state.when(self._lowered, lambda: self._raise(closing))
+        was_open = await self._when(lambda: self._raise(closing))
         try:
             await self._state.when(self._idle, _nothing)
             yield was_open
@@ -113,7 +115,7 @@ class Fence:
     @contextlib.contextmanager
     def fenced_blocking(self, *, closing: bool = False) -> Iterator[bool]:
         """:meth:`fenced` for a thread."""
-        was_open = self._state.when_blocking(self._lowered, lambda: self._raise(closing))
+        was_open = self._when_blocking(lambda: self._raise(closing))
         try:
             self._state.when_blocking(self._idle, _nothing)
             yield was_open
@@ -121,6 +123,19 @@ class Fence:
             self._lower()
 
     # ------------------------------------------- the state (under the lock)
+
+    async def _when(self, then: Callable[[], _T]) -> _T:
+        """``then()`` once no fence stands (at once, without waiting, if none does)."""
+        with self._state.lock:
+            if not self._raised:
+                return then()
+        return await self._state.when(self._lowered, then)
+
+    def _when_blocking(self, then: Callable[[], _T]) -> _T:
+        with self._state.lock:
+            if not self._raised:
+                return then()
+        return self._state.when_blocking(self._lowered, then)
 
     def _lowered(self) -> bool:
         return not self._raised
@@ -137,7 +152,7 @@ class Fence:
         return True
 
     def _leave(self) -> None:
-        with self._state:
+        with self._state.lock:
             self._active -= 1
             if self._active == 0:
                 self._state.changed()
@@ -151,7 +166,7 @@ class Fence:
         return was_open
 
     def _lower(self) -> None:
-        with self._state:
+        with self._state.lock:
             self._raised = False
             self._state.changed()
 
