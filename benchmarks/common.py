@@ -29,7 +29,9 @@ from kvtier import ConfigError, LookupResult, ReqContext, TieringOffloadingManag
 from kvtier.bench.physical import DiskLimits, drop_page_cache, measure_disk
 from kvtier.bench.probe import LagProbe, percentile
 from kvtier.bench.tiers import raw_disk_depths
+from kvtier.hosts import Step, step_until
 from kvtier.keys import OffloadKey
+from kvtier.records import PrepareStoreOutput
 from kvtier.tiers.fs import FileSystemTier
 
 __all__ = [
@@ -75,16 +77,31 @@ async def cascade(manager: TieringOffloadingManager, keys: Sequence[OffloadKey],
     started = time.perf_counter()
     for first in range(0, len(keys), job):
         batch, req = list(keys[first : first + job]), ReqContext(f"w{first}")
-        while True:
-            mark = manager.host.completion_mark
-            if (out := manager.prepare_store(batch, req)) is not None:
-                break
-            manager.on_schedule_end()
-            await manager.wait_for_completions(since=mark)
-        manager.complete_store(out.keys_to_store, req)
+        room: list[PrepareStoreOutput] = []
+        await step_until(manager.host, _store_step(manager, batch, req, room))
+        manager.complete_store(room[0].keys_to_store, req)
         manager.on_request_finished(req)
     await manager.drain()
     return time.perf_counter() - started
+
+
+def _store_step(
+    manager: TieringOffloadingManager,
+    batch: list[OffloadKey],
+    req: ReqContext,
+    room: list[PrepareStoreOutput],
+) -> Callable[[], Step]:
+    """A step that puts the batch's slots into ``room`` once cascades made some."""
+
+    def step() -> Step:
+        out = manager.prepare_store(batch, req)
+        if out is None:
+            manager.on_schedule_end()
+            return Step.WAIT
+        room.append(out)
+        return Step.DONE
+
+    return step
 
 
 async def promote(
@@ -110,15 +127,17 @@ async def promote(
         async with gate:
             batch, req = keys[first : first + job], ReqContext(f"{tag}{first}")
             submitted = time.perf_counter()
-            while True:
-                mark = manager.host.completion_mark
+
+            def promoted() -> Step:
                 results = [manager.lookup(key, req) for key in batch]
                 if results.count(LookupResult.HIT) == len(batch):
-                    break
+                    return Step.DONE
                 if strict and LookupResult.MISS in results:
                     raise RuntimeError(f"promotion of chunks {first}.. missed")
                 manager.on_schedule_end()
-                await manager.wait_for_completions(since=mark)
+                return Step.WAIT
+
+            await step_until(manager.host, promoted)
             latencies.append(time.perf_counter() - submitted)
             manager.on_request_finished(req)
 

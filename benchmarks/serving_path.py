@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,7 @@ from kvtier import (
     TieringOffloadingManager,
     make_offload_key,
 )
+from kvtier.hosts import Step, step_until_blocking
 from kvtier.records import TransferResult
 from kvtier.worker import OffloadingWorker
 
@@ -225,8 +226,10 @@ class Scheduler:
         pending = deque(enumerate(requests))
         # Two groups of blocks: the next request's copy may start while one finishes.
         free = deque(range(self.in_flight, self.in_flight + 2))
-        while pending or len(free) < 2:
-            mark = manager.host.completion_mark
+
+        def step() -> Step:
+            if not (pending or len(free) < 2):
+                return Step.DONE
             progressed = self._take_copies(free)
             if pending and free:
                 index, keys = pending[0]
@@ -242,12 +245,13 @@ class Scheduler:
                         self._send(True, req, list(out.keys_to_store), blocks, chunk_ids, group)
                     else:
                         manager.on_request_finished(req)
-            self._end_step(progressed, mark)
-        while True:
-            mark = manager.host.completion_mark
-            if not manager.has_pending_work():
-                break
-            self._end_step(False, mark)
+            return self._end_step(progressed)
+
+        def cascaded() -> Step:
+            return self._end_step(False) if manager.has_pending_work() else Step.DONE
+
+        self._run(step)
+        self._run(cascaded)
         os.sync()
         return time.perf_counter() - started
 
@@ -259,8 +263,10 @@ class Scheduler:
         free = deque(range(self.in_flight))
         waiting: list[Waiting] = []
         lookup = manager.lookup
-        while pending or waiting or len(free) < self.in_flight:
-            mark = manager.host.completion_mark
+
+        def step() -> Step:
+            if not (pending or waiting or len(free) < self.in_flight):
+                return Step.DONE
             progressed = self._take_copies(free)
             while pending and free:
                 index, keys = pending.popleft()
@@ -292,8 +298,10 @@ class Scheduler:
                         f"{len(results)} chunks unreadable after {self.timeout_s:g} s"
                     )
                 still.append(entry)
-            waiting = still
-            self._end_step(progressed, mark)
+            waiting[:] = still
+            return self._end_step(progressed)
+
+        self._run(step)
         return time.perf_counter() - started
 
     def _send(
@@ -334,13 +342,15 @@ class Scheduler:
     def loaded(self, copy: Copy) -> None:
         """A request's chunks are in the KV tensors (a subclass may time it)."""
 
-    def _end_step(self, progressed: bool, mark: int) -> None:
-        """End the step; one that moved nothing waits for a completion after ``mark``
-        (read as the step began), at most the idle time."""
+    def _end_step(self, progressed: bool) -> Step:
+        """End the step; one that moved nothing waits for a completion, at most the
+        idle time (the worker's copies do not wake it)."""
         self.manager.on_schedule_end()
         self.figures.steps += 1
-        if not progressed:
-            self.manager.host.wait_for_completions_blocking(self.idle_s, since=mark)
+        return Step.AGAIN if progressed else Step.WAIT
+
+    def _run(self, step: Callable[[], Step]) -> None:
+        step_until_blocking(self.manager.host, step, recheck=lambda: self.idle_s)
 
 
 # ----------------------------------------------------------------------- the run

@@ -54,6 +54,7 @@ import torch
 from sglang_host import Geometry, HiCacheHost, configure_process, kvtier_extra_config
 
 from kvtier.bench.physical import drop_page_cache
+from kvtier.hosts import Step, step_until_blocking
 
 # SGLang's storage batch: the controller never hands a backend more pages at once.
 BATCH_PAGES = 128
@@ -245,8 +246,12 @@ class Bench:
         if name != "kvtier":
             return
         manager = self.hosts[name].backend.page_store.manager
-        while manager.has_pending_work():
-            manager.host.wait_for_completions_blocking(0.05)
+
+        def settled() -> Step:
+            manager.on_schedule_end()
+            return Step.WAIT if manager.has_pending_work() else Step.DONE
+
+        step_until_blocking(manager.host, settled)
 
     def make_cold(self) -> None:
         self.hosts["kvtier"].backend.page_store.reset()

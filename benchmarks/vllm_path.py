@@ -66,6 +66,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import common
 import torch
+from step_timing import LAYERS_TIMED, StepClocks, step_figures, wrapper_cost_s
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm_offline import (
     MAX_MODEL_LEN,
@@ -87,6 +88,8 @@ from vllm_offline import (
     scheduler,
     worker_connector,
 )
+
+from kvtier.hosts import Step, step_until_blocking
 
 TOKENS_PER_BLOCK = 16  # vLLM's default block size
 HEAD_SIZE = 128
@@ -125,135 +128,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"{MAX_MODEL_LEN} tokens"
         )
     return args
-
-
-# ------------------------------------------------------------------- timing calls
-
-
-class CallClock:
-    """Seconds spent inside some objects' methods since the last :meth:`take`.
-
-    A call made from inside another timed call of the same clock counts once.
-    """
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.calls = 0
-        #: Seconds by method name, over a whole phase (``Engine.start_phase`` resets them).
-        self.by_name: dict[str, float] = {}
-        self._depth = 0
-
-    def wrap(self, obj: Any, names: Sequence[str]) -> None:
-        for name in names:
-            method = getattr(obj, name, None)
-            if method is not None:
-                setattr(obj, name, self._timed(name, method))
-
-    def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.perf_counter
-        by_name = self.by_name
-        by_name[name] = 0.0
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return method(*args, **kwargs)
-            self._depth = 1
-            started = clock()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                took = clock() - started
-                self.seconds += took
-                by_name[name] += took
-                self.calls += 1
-                self._depth = 0
-
-        return timed
-
-    def take(self) -> tuple[float, int]:
-        """Seconds and calls since the last call."""
-        taken = self.seconds, self.calls
-        self.seconds, self.calls = 0.0, 0
-        return taken
-
-
-def wrapper_cost_s(calls: int = 200_000) -> float:
-    """What one timed call adds, measured on a method that does nothing."""
-
-    class Idle:
-        def call(self) -> None:
-            pass
-
-    idle = Idle()
-    plain = idle.call
-    started = time.perf_counter()
-    for _ in range(calls):
-        plain()
-    bare = time.perf_counter() - started
-    CallClock().wrap(idle, ["call"])
-    timed = idle.call
-    started = time.perf_counter()
-    for _ in range(calls):
-        timed()
-    return max(0.0, time.perf_counter() - started - bare) / calls
-
-
-#: The scheduler-role connector's methods vLLM's scheduler calls.
-CONNECTOR_METHODS = (
-    "on_new_request",
-    "get_num_new_matched_tokens",
-    "get_external_cache_hit_sources",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "has_pending_push_work",
-    "take_events",
-    "get_kv_connector_stats",
-)
-#: The manager interface vLLM's connector calls: on the adapter, and the same names on
-#: kvtier's manager behind it.
-MANAGER_METHODS = (
-    "lookup",
-    "get_load_source",
-    "prepare_load",
-    "touch",
-    "complete_load",
-    "prepare_store",
-    "complete_store",
-    "on_new_request",
-    "on_request_finished",
-    "on_schedule_end",
-    "has_pending_work",
-    "take_events",
-    "get_stats",
-    "config_info",
-    "reset_cache",
-    "on_reset_flushed",
-)
-
-
-#: The layers timed inside a step, outermost first: vLLM's connector (which calls the
-#: adapter), kvtier's adapter (which calls kvtier's manager), kvtier's manager.
-LAYERS_TIMED = ("connector", "adapter", "kvtier")
-
-
-@dataclass
-class StepTimes:
-    """Per step of one phase: vLLM's scheduler, and the time of each layer inside it."""
-
-    step_s: list[float] = field(default_factory=list)
-    layer_s: dict[str, list[float]] = field(
-        default_factory=lambda: {layer: [] for layer in LAYERS_TIMED}
-    )
-    #: Timed calls per layer over the phase: each adds the timing's own cost to the
-    #: layer above it.
-    layer_calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LAYERS_TIMED, 0))
-    #: The model runner's half of each step: the worker connector and the "forward".
-    runner_s: list[float] = field(default_factory=list)
-    #: Waiting for a tier completion after steps in which nothing moved.
-    idle_s: float = 0.0
 
 
 # --------------------------------------------------------------------- the engine
@@ -326,35 +200,13 @@ class Engine:
         assert connector.connector_scheduler is not None
         self.adapter: Any = connector.connector_scheduler.manager
         self.kvtier = self.adapter.kvtier
-        self.clocks = {layer: CallClock() for layer in LAYERS_TIMED}
-        self.clocks["connector"].wrap(connector, CONNECTOR_METHODS)
-        self.clocks["adapter"].wrap(self.adapter, MANAGER_METHODS)
-        self.clocks["kvtier"].wrap(self.kvtier, MANAGER_METHODS)
-        self.times: dict[str, StepTimes] = {}
-        self.phase = "store"
+        self.timing = StepClocks(connector, self.adapter, self.kvtier)
         #: Each request's GPU blocks, one list per KV-cache group.
         self.blocks: dict[str, list[list[int]]] = {}
         #: Blocks each request found computed when first scheduled, all verified.
         self.loaded: dict[str, int] = {}
         self.mismatches = 0
         self.steps = 0
-
-    def start_phase(self, phase: str) -> None:
-        """Time the steps from now on as ``phase``; the by-method times start again."""
-        self.phase = phase
-        for clock in self.clocks.values():
-            for name in clock.by_name:
-                clock.by_name[name] = 0.0
-
-    def by_method(self, layer: str) -> dict[str, float]:
-        """Milliseconds per step of this phase in each method of ``layer``, largest first."""
-        steps = max(1, len(self.times.get(self.phase, StepTimes()).step_s))
-        times = self.clocks[layer].by_name
-        return {
-            name: seconds / steps * 1e3
-            for name, seconds in sorted(times.items(), key=lambda item: -item[1])
-            if seconds
-        }
 
     def add(self, req_id: str, tokens: list[int]) -> None:
         self.scheduler.add_request(
@@ -369,21 +221,14 @@ class Engine:
 
     def step(self) -> tuple[SchedulerOutput, list[str], bool]:
         """One engine step: the output, the requests it finished, whether anything moved."""
-        for clock in self.clocks.values():
-            clock.take()  # calls between steps (add_request, has_requests) are not a step's
+        self.timing.begin_step()
         started = time.perf_counter()
         out = self.scheduler.schedule()
         scheduled = time.perf_counter() - started
         runner_output = self.run_model(out)
         ran = time.perf_counter()
         engine_outputs = self.scheduler.update_from_output(out, runner_output)
-        times = self.times.setdefault(self.phase, StepTimes())
-        times.step_s.append(scheduled + time.perf_counter() - ran)
-        times.runner_s.append(ran - started - scheduled)
-        for layer, clock in self.clocks.items():
-            seconds, calls = clock.take()
-            times.layer_s[layer].append(seconds)
-            times.layer_calls[layer] += calls
+        self.timing.end_step(scheduled + time.perf_counter() - ran, ran - started - scheduled)
         self.steps += 1
         finished = [
             output.request_id
@@ -473,12 +318,21 @@ class Engine:
         with self.kvtier.lock:
             return bool(primary.num_free + primary.num_evictable >= chunks)
 
-    def idle(self, seconds: float, since: int) -> None:
-        """Wait for kvtier to complete something after the mark ``since`` (read as the
-        step began), at most ``seconds``."""
-        started = time.perf_counter()
-        self.kvtier.host.wait_for_completions_blocking(seconds, since=since)
-        self.times.setdefault(self.phase, StepTimes()).idle_s += time.perf_counter() - started
+    def run(self, step: Callable[[], Step], idle_s: float) -> None:
+        """Step until ``step`` is done; after a step that moved nothing, wait for kvtier
+        to complete something, at most ``idle_s`` (timed as the phase's idle time)."""
+        times = self.timing.current
+        idle_since: float | None = None
+
+        def timed() -> Step:
+            nonlocal idle_since
+            if idle_since is not None:
+                times.idle_s += time.perf_counter() - idle_since
+            found = step()
+            idle_since = time.perf_counter() if found is Step.WAIT else None
+            return found
+
+        step_until_blocking(self.kvtier.host, timed, recheck=lambda: idle_s)
 
     def close(self) -> None:
         try:
@@ -556,8 +410,11 @@ def store_all(engine: Engine, texts: Sequence[list[int]], idle_s: float) -> floa
     requests = scheduler.requests
     sent = 0
     unscheduled: list[str] = []
-    while sent < len(texts) or scheduler.has_requests():
-        mark = engine.kvtier.host.completion_mark
+
+    def step() -> Step:
+        nonlocal sent, unscheduled
+        if not (sent < len(texts) or scheduler.has_requests()):
+            return Step.DONE
         unscheduled = [
             req_id
             for req_id in unscheduled
@@ -572,8 +429,9 @@ def store_all(engine: Engine, texts: Sequence[list[int]], idle_s: float) -> floa
             unscheduled.append(req_id)
             sent += 1
         _, _, moved = engine.step()
-        if not (moved or added):
-            engine.idle(idle_s, mark)
+        return Step.AGAIN if moved or added else Step.WAIT
+
+    engine.run(step, idle_s)
     os.sync()
     return time.perf_counter() - started
 
@@ -594,14 +452,16 @@ def load_all(
     #: The first step whose lookups deferred a request; gone once its load started.
     deferred: dict[str, float] = {}
     loading: set[str] = set()
-    while pending or admitted:
+
+    def step() -> Step:
+        if not (pending or admitted):
+            return Step.DONE
         while pending and len(admitted) < in_flight:
             index, tokens = pending.pop()
             req_id = f"load-{index}"
             engine.add(req_id, tokens)
             admitted[req_id] = time.perf_counter()
         step_started = time.perf_counter()
-        mark = engine.kvtier.host.completion_mark
         _, finished, moved = engine.step()
         for req_id in finished:
             del admitted[req_id]
@@ -621,8 +481,9 @@ def load_all(
                 figures.waits.append(step_started - deferred.pop(req_id))
             else:  # every chunk was readable at its first lookup
                 figures.resident_requests += 1
-        if not moved:
-            engine.idle(idle_s, mark)
+        return Step.AGAIN if moved else Step.WAIT
+
+    engine.run(step, idle_s)
     figures.recomputed_blocks = sum(
         job_chunks - count for req_id, count in engine.loaded.items() if req_id.startswith("load-")
     )
@@ -630,52 +491,6 @@ def load_all(
 
 
 # ----------------------------------------------------------------------- the run
-
-
-def step_figures(times: dict[str, StepTimes], wrapper_s: float) -> dict[str, Any]:
-    """Step time percentiles and each layer's time inside the steps, per phase.
-
-    ``<layer>_ms_per_step`` is the time inside a layer's methods, the layers below it
-    included; ``<layer>_own_ms_per_step`` leaves out the layer below and the cost of
-    timing it, so the connector's, the adapter's and kvtier's own times add up.
-    """
-    out: dict[str, Any] = {}
-    for phase, phase_times in times.items():
-        steps = max(1, len(phase_times.step_s))
-        total = sum(phase_times.step_s)
-        prefix = "" if phase == "load" else f"{phase}_"
-        out |= {
-            f"{prefix}steps": len(phase_times.step_s),
-            f"{prefix}step_p50_ms": common.percentile(phase_times.step_s, 0.5) * 1e3,
-            f"{prefix}step_p99_ms": common.percentile(phase_times.step_s, 0.99) * 1e3,
-            f"{prefix}step_ms_mean": total / steps * 1e3,
-        }
-        below = dict(zip(LAYERS_TIMED, [*LAYERS_TIMED[1:], None], strict=True))
-        for layer, seconds in phase_times.layer_s.items():
-            inner = below[layer]
-            own = sum(seconds)
-            if inner is not None:
-                own -= sum(phase_times.layer_s[inner])
-                own -= phase_times.layer_calls[inner] * wrapper_s
-            out |= {
-                f"{prefix}{layer}_ms_per_step": sum(seconds) / steps * 1e3,
-                f"{prefix}{layer}_p99_ms": common.percentile(seconds, 0.99) * 1e3,
-                f"{prefix}{layer}_own_ms_per_step": own / steps * 1e3,
-                f"{prefix}{layer}_own_share": own / total if total else 0.0,
-                f"{prefix}{layer}_calls": phase_times.layer_calls[layer],
-                # Steps differ in how much they do (how many requests wait, how many
-                # finish); a layer's own time per call of it compares across runs.
-                f"{prefix}{layer}_own_us_per_call": own
-                / max(1, phase_times.layer_calls[layer])
-                * 1e6,
-            }
-        out |= {
-            f"{prefix}scheduler_s": total,
-            f"{prefix}model_runner_s": sum(phase_times.runner_s),
-            f"{prefix}idle_s": phase_times.idle_s,
-        }
-    out["timing_overhead_us_per_call"] = wrapper_s * 1e6
-    return out
 
 
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -697,7 +512,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             common.make_reads_cold(cache_mode, root / "tier")
             order = list(enumerate(texts))
             random.Random(args.seed).shuffle(order)
-            engine.start_phase("load")
+            engine.timing.start_phase("load")
             loads = measured.phase(
                 "load",
                 load_all,
@@ -711,7 +526,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         finally:
             measured.end(engine.kvtier)
         methods = {
-            f"{layer}_ms_per_step_by_method": engine.by_method(layer) for layer in LAYERS_TIMED
+            f"{layer}_ms_per_step_by_method": engine.timing.by_method(layer)
+            for layer in LAYERS_TIMED
         }
     finally:
         engine.close()
@@ -720,7 +536,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "mismatches": engine.mismatches,
         "recomputed_blocks": loads.recomputed_blocks,
         "resident_requests": loads.resident_requests,
-        **step_figures(engine.times, wrapper_cost_s()),
+        **step_figures(engine.timing.times, wrapper_cost_s()),
         **methods,
         "kv_heads": args.kv_heads,
         "gpu_blocks": engine.num_blocks,

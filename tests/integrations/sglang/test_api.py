@@ -14,6 +14,7 @@ from sglang_host import Geometry, HiCacheHost, kvtier_extra_config, page_content
 from sglang_procs import MIB, fs_config
 
 from kvtier import ConfigError
+from kvtier.hosts import Step, step_until_blocking
 from kvtier.integrations.sglang import KVTierHiCacheStorage, UnsupportedPoolError
 
 
@@ -126,10 +127,14 @@ def test_clear_drops_the_pages_of_every_tier(hosts, tokens_of, tmp_path):
     tokens = tokens_of(4, host.geometry.page_tokens)
     host.backup(tokens)
     manager = host.backend.page_store.manager
-    deadline = time.monotonic() + 30
-    while len(list(tmp_path.rglob("*.kvt"))) < len(tokens) // host.geometry.page_tokens:
-        assert time.monotonic() < deadline, "the pages never reached the fs tier"
-        manager.host.wait_for_completions_blocking(0.05)
+    pages = len(tokens) // host.geometry.page_tokens
+
+    def on_disk() -> Step:
+        return Step.DONE if len(list(tmp_path.rglob("*.kvt"))) >= pages else Step.WAIT
+
+    # Each file is in place before its cascade's completion wakes the wait.
+    reached = step_until_blocking(manager.host, on_disk, deadline=time.monotonic() + 30)
+    assert reached, "the pages never reached the fs tier"
     assert host.controller.clear_storage_backend()
     assert manager.primary.num_stored == 0
     assert not list(tmp_path.rglob("*.kvt"))
