@@ -68,6 +68,11 @@ async def step_until(
     :attr:`Step.WAIT`, wait (without blocking the loop) for a completion after the mark
     read before the step.
 
+    A step should make a scheduler call (a lookup, ``prepare_store``,
+    ``on_schedule_end``): those apply the outcomes the tiers posted first. The wait
+    ends at once while an outcome waits to be applied, so a step that makes none is
+    taken again until the tier loop has applied it.
+
     Args:
         deadline: ``time.monotonic()`` after which the host stops waiting (None: never).
         req: the request whose pending chunks the steps wait for: the wait also ends

@@ -180,10 +180,9 @@ def test_a_slow_tier_makes_a_load_return_by_its_timeout(engine_id):
         loop.run(hold, timeout=5)
         try:
             assert store.contains_prefix(keys, 5.0) == 3  # answered from memory
-            started = time.monotonic()
             target = Pages(3)
+            # Returns (the test's timeout would fail it otherwise) with nothing copied.
             assert store.load(keys, target.segments(), 0.3) == [False] * 3
-            assert time.monotonic() - started < 5
             assert all(buf.raw == bytes(PAGE_BYTES) for buf in target.buffers)
         finally:
             loop.run(release, timeout=5)
