@@ -29,31 +29,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import inspect
-import logging
-import os
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from kvtier import prefix_keys
 from kvtier.facade import KVTier
+from kvtier.integrations._transformers_cache import (
+    cache_keyword,
+    cache_layers,
+    fill_layer,
+    paged_layout,
+)
+from kvtier.integrations._transformers_gguf import MODEL_CACHE_ENV, load_gguf, model_cache_dir
 from kvtier.keys import OffloadKey
 from kvtier.paged import PagedKVLayout
 
 __all__ = [
+    "MODEL_CACHE_ENV",
     "PrefixCache",
     "PrefixRequest",
     "Restored",
@@ -62,8 +62,6 @@ __all__ = [
     "model_cache_dir",
     "paged_layout",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: A lookup that waits longer than this gives up and the model computes the rest: a
 #: whole window promoted from a local disk takes well under a second here (79 MB in
@@ -79,111 +77,6 @@ COPY_THREADS = 2
 #: last five prompts count, so a machine that gets busier is followed within a few
 #: requests while one odd prefill (a page fault storm, a GC pause) moves it little.
 _PREFILL_ALPHA = 0.3
-
-
-#: Where :func:`load_gguf` keeps converted checkpoints unless told otherwise.
-MODEL_CACHE_ENV = "KVTIER_MODEL_CACHE"
-
-
-def model_cache_dir() -> Path:
-    """``$KVTIER_MODEL_CACHE``, else ``kvtier/models`` under the user's cache directory."""
-    configured = os.environ.get(MODEL_CACHE_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvtier" / "models"
-
-
-def load_gguf(
-    gguf_file: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype = torch.float32,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> tuple[Any, Any]:
-    """Load a GGUF checkpoint as a ``transformers`` causal LM and its tokenizer.
-
-    transformers dequantizes GGUF weights to ``dtype`` on every load, which takes
-    tens of seconds even for a small model; the first load therefore saves the
-    converted model (safetensors) and tokenizer under ``cache_dir`` (default
-    :func:`model_cache_dir`), in a directory named for the file's content and the
-    dtype, and later loads read that in seconds. Blocking: call it from a thread in
-    an async program.
-
-    Raises:
-        FileNotFoundError: ``gguf_file`` does not exist.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = Path(gguf_file)
-    if not source.is_file():
-        raise FileNotFoundError(f"no GGUF file at {source}")
-    root = Path(cache_dir) if cache_dir is not None else model_cache_dir()
-    converted = root / f"{source.stem}-{_file_digest(source)}-{str(dtype).removeprefix('torch.')}"
-    if not (converted / "config.json").is_file():
-        logger.info("converting %s to %s once; later loads read %s", source, dtype, converted)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(source.parent), gguf_file=source.name, dtype=dtype
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-        # The weights are plain tensors of ``dtype`` now, but transformers still marks
-        # the model as GGUF-quantized and refuses to save it that way.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        root.mkdir(parents=True, exist_ok=True)
-        # Written aside and renamed, so a load interrupted half way leaves no directory
-        # that a later load would take for a complete conversion.
-        staging = Path(tempfile.mkdtemp(prefix=f".{converted.name}.", dir=root))
-        try:
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            staging.rename(converted)
-        except OSError:
-            if not (converted / "config.json").is_file():
-                raise
-            # Another process converted it meanwhile: use theirs.
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return model.eval(), tokenizer
-    model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(converted))
-    return model.eval(), tokenizer
-
-
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while block := file.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()[:16]
-
-
-def paged_layout(
-    model_config: Any, dtype: torch.dtype, tokens_per_block: int = 16
-) -> PagedKVLayout:
-    """A block layout for the attention geometry of a ``transformers`` model config."""
-    text = (
-        model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    )
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return PagedKVLayout(
-        num_layers=text.num_hidden_layers,
-        num_kv_heads=heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        tokens_per_block=tokens_per_block,
-    )
-
-
-def cache_keyword(model: Any) -> str:
-    """The keyword ``model(...)`` and ``model.generate(...)`` take the cache under.
-
-    transformers renamed ``past_key_values`` to ``cache`` in its 5.x series and warns
-    about the old name; this answers whichever the installed version's model takes.
-    """
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
 
 
 @dataclass
@@ -432,7 +325,7 @@ class PrefixCache:
         if restored.tokens:
             started = time.perf_counter()
             for layer, (k, v) in enumerate(buffers):
-                _fill_layer(
+                fill_layer(
                     restored.cache, layer, k[:, :, : restored.tokens], v[:, :, : restored.tokens]
                 )
             restored.gather_s += time.perf_counter() - started
@@ -465,7 +358,7 @@ class PrefixCache:
                 another geometry or dtype than the layout's.
             KVTierError: the facade is closed.
         """
-        layers = _cache_layers(cache)
+        layers = cache_layers(cache)
         layout = self.layout
         if len(layers) != layout.num_layers:
             raise ValueError(f"the cache has {len(layers)} layers, the layout {layout.num_layers}")
@@ -604,35 +497,3 @@ class PrefixRequest:
         return await self.prefix.store(
             self.token_ids, self.cache, self.req_id, skip_chunks=self.restored.chunks
         )
-
-
-def _fill_layer(cache: Any, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Make layer ``index`` of an empty ``cache`` hold ``keys`` and ``values``.
-
-    ``update`` would copy them once more (it appends to what the layer holds); a plain
-    DynamicLayer is handed the tensors as they are instead, as it would hold the result
-    of its own first ``update``. Any other kind of layer goes through ``update``.
-    """
-    cache.update(keys[:, :, :0], values[:, :, :0], index)
-    layer = cache.layers[index]
-    if type(layer) is DynamicLayer and layer.keys.shape[-2] == 0:
-        layer.keys, layer.values = keys, values
-    else:
-        cache.update(keys, values, index)
-
-
-def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's (keys, values), ``(1, heads, tokens, dim)``, from a DynamicCache."""
-    layers = []
-    for i, layer in enumerate(cache.layers):
-        if getattr(layer, "is_sliding", False):
-            raise ValueError(f"layer {i} of the cache is a sliding window: it cannot be stored")
-        keys, values = layer.keys, layer.values
-        if keys is None or keys.numel() == 0:
-            raise ValueError(f"layer {i} of the cache holds no tokens")
-        if keys.shape[0] != 1:
-            raise ValueError(
-                f"the cache holds a batch of {keys.shape[0]} sequences; store takes one"
-            )
-        layers.append((keys, values))
-    return layers
