@@ -185,7 +185,10 @@ class ChunkGeometry:
     def from_config(
         cls, config: OffloadingConfig, *, cpu_bytes_to_use: int, block_size: int
     ) -> ChunkGeometry:
-        """Size the region as DESIGN section 3 prescribes.
+        """Size the region: a chunk's row holds ``blocks_per_chunk`` blocks of every
+        worker (one copy when ``replicated``), rounded up to the page size, and
+        ``num_chunks = cpu_bytes_to_use // chunk_bytes`` (README, "Configuration
+        reference").
 
         Raises:
             ConfigError: ``block_size`` is not a multiple of ``tokens_per_block``, or

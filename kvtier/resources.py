@@ -22,8 +22,10 @@ resource closes the same way:
 - ``close()`` of an :class:`AsyncResource` refuses to run on a thread whose event loop
   is running (RuntimeError): it would block that loop, and hang for good if the close
   needs it (the tier loop's own thread). Await ``aclose()`` there.
-- ``shutdown()``, on a spec and on the manager, is vLLM's name for ``close()`` (DESIGN
-  sections 2 and 4) and the same call.
+- ``shutdown()``, on a spec and on the manager, is vLLM's name for ``close()`` and the
+  same call, kept for a caller that speaks vLLM's interfaces (the vLLM adapter's manager
+  and worker answer vLLM's ``shutdown()`` with ``close()``); kvtier itself calls
+  ``close()``.
 
 ``async with x:`` closes ``x`` with ``aclose()``; ``with x:`` does with ``close()`` for a
 :class:`BlockingResource`. Tasks are never left to themselves: each belongs to one
