@@ -187,16 +187,27 @@ class CompletionQueue:
                 self._sleepers -= 1
 
     async def wait_for_any(self, since: int | None = None) -> None:
-        """Resolve once something completes after :attr:`seq` read ``since`` (None:
-        now): at once if an outcome is queued."""
-        seq = self.seq if since is None else since
-        if not self.pending:
-            await self.wait(seq)
+        """Resolve once something completes after :attr:`seq` read ``since``; without
+        a mark, once something completes from now on, or at once if an outcome waits
+        to be applied.
+
+        With a mark there is no shortcut for a queued outcome: one posted before the
+        mark was read was there for the caller's check to apply, and one posted after
+        it changed :attr:`seq` already; a shortcut would only spin a caller whose check
+        applies nothing until the loop applies the outcome (which notifies)."""
+        if since is None:
+            if self.pending:
+                return
+            since = self.seq
+        await self.wait(since)
 
     def wait_for_any_blocking(self, timeout: float | None = None, since: int | None = None) -> None:
-        seq = self.seq if since is None else since
-        if not self.pending:
-            self.wait_blocking(seq, timeout)
+        """:meth:`wait_for_any` for a thread, for at most ``timeout`` seconds."""
+        if since is None:
+            if self.pending:
+                return
+            since = self.seq
+        self.wait_blocking(since, timeout)
 
 
 class _Lock(Protocol):

@@ -198,11 +198,12 @@ class TieringCore:
         request = self.requests.get(req_id)
         if request is not None:
             self.promotions.drop_request(request)
-        released = self.ledger.release_request(req_id)
+        self.ledger.release_request(req_id)
         if self.requests.finish(req_id):
             self._tiers_hear_finished(req_id)
-        if released:  # a store waiting for room may now evict them
-            self.completions.notify()
+        # A store waiting for room may now evict what it held, and a host waiting for
+        # the call to end may go on (a notify with nobody asleep costs a counter).
+        self.completions.notify()
 
     def expire(self, req_id: str) -> None:
         """Stop waiting for the request's pending chunks (they are misses from now on);

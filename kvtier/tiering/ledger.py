@@ -174,10 +174,10 @@ class SlotLedger:
             self._primary.complete_load(released)
         return released
 
-    def release_request(self, req_id: str) -> bool:
-        """Release every pin a request holds, read or reserved for it; whether any."""
-        released = self.release_all(Holder.reserved(req_id))
-        return bool(self.release_all(Holder.request(req_id))) or bool(released)
+    def release_request(self, req_id: str) -> None:
+        """Release every pin a request holds, read or reserved for it."""
+        self.release_all(Holder.reserved(req_id))
+        self.release_all(Holder.request(req_id))
 
     def release_all(self, holder: Holder) -> list[OffloadKey]:
         """Release every pin of ``holder``; the keys (one entry per pin)."""
