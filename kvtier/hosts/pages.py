@@ -125,7 +125,7 @@ class PageStore(BlockingResource):
         self.page_bytes = config.kv_bytes_per_block
         spec = OffloadingSpecFactory.create_spec(config, registry=registry, shm_dir=shm_dir)
         if spec.block_size != config.tokens_per_block:
-            spec.shutdown()
+            spec.close()
             raise ConfigError(
                 "block_size", f"one page is one chunk: expected {config.tokens_per_block}"
             )
@@ -138,7 +138,7 @@ class PageStore(BlockingResource):
             if open_region is not None:
                 open_region(0).close()
         except BaseException:
-            spec.shutdown()
+            spec.close()
             raise
         self.spec: OffloadingSpec = spec
         self.manager: TieringOffloadingManager = manager

@@ -134,8 +134,8 @@ class OffloadingSpec(AsyncResource):
         """
 
     def shutdown(self) -> None:
-        """vLLM's name for ``close()`` (DESIGN section 2), and the same call: blocks
-        while copies and tier jobs drain."""
+        """vLLM's name for ``close()``, which vLLM calls on a spec it built, and the same
+        call: blocks while copies and tier jobs drain."""
         self.close()
 
     async def aclose(self) -> None:

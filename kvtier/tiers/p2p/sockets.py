@@ -2,8 +2,7 @@
 
 :class:`SocketChannel` calls ``loop.sock_recv_into`` / ``loop.sock_sendall``, which
 hand the kernel the caller's memoryview. asyncio streams copy every read into a new
-``bytes``; they measured 38 % of raw loopback TCP here, the socket calls ~100 %
-(DESIGN section 11).
+``bytes``; they measured 38 % of raw loopback TCP here, the socket calls ~100 %.
 """
 
 from __future__ import annotations
