@@ -9,6 +9,7 @@ whose message starts with the key path, e.g. ``secondary_tiers[1].root_dir``.
 from __future__ import annotations
 
 import difflib
+import enum
 import math
 import mmap
 import re
@@ -44,6 +45,7 @@ LAYOUTS = ("direct", "canonical")
 _ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _REQUIRED: Any = object()
 _T = TypeVar("_T")
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 @dataclass(frozen=True)
@@ -332,6 +334,12 @@ class ConfigReader:
                 self.path_of(key), f"expected one of {', '.join(sorted(choices))}{shown}"
             )
         return value
+
+    def choice(self, key: str, kind: type[_E], default: Any = _REQUIRED) -> Any:
+        """One member of the ``str`` enum ``kind``, named by its value; ``default`` may
+        be a member or its value."""
+        value = self.string(key, default, choices=[member.value for member in kind])
+        return kind(value)
 
     def string_list(self, key: str, default: Any = _REQUIRED) -> Any:
         value = self._get(key, default)

@@ -14,6 +14,7 @@ __all__ = [
     "EventLog",
     "HitSource",
     "LoadStoreSpec",
+    "Locality",
     "LookupResult",
     "Medium",
     "OffloadingEvent",
@@ -49,6 +50,18 @@ class Medium(enum.Enum):
     NETWORK = "NETWORK"
     #: A memory server outside the engines (memcached, Redis, Valkey).
     REMOTE_MEMORY = "REMOTE_MEMORY"
+
+
+class Locality(str, enum.Enum):
+    """Whether a tier is on this node or across a network: it picks the tier's default
+    back-pressure water marks and promotion budget, and what the vLLM adapter reports.
+    A ``str`` enum, so that configuration and plugins may name it as a plain string."""
+
+    LOCAL = "local"
+    REMOTE = "remote"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class HitSource(enum.Enum):

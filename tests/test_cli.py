@@ -153,7 +153,7 @@ def test_plan_lists_every_tier_with_the_settings_the_engine_will_use(tmp_path):
 
     text = plan(tmp_path, {"secondary_tiers": tiers})
     assert text.returncode == 0, text.stderr
-    assert "tier 1:fs  kvtier.tiers.fs.FileSystemTier (local)" in text.stdout
+    assert "tier 1:fs  kvtier.tiers.fs.tier.FileSystemTier (local)" in text.stdout
     assert "tier 3:s3  kvtier.tiers.s3.tier.S3Tier (remote)" in text.stdout
     assert "a-secret-of-twenty-bytes" not in text.stdout
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from vllm.v1.kv_offload import base as vllm_base
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.records import HitSource, Medium, OffloadingEvent
+from kvtier.records import HitSource, Locality, Medium, OffloadingEvent
 from kvtier.specs.settings import TierConfig
 from kvtier.tiers.base import SecondaryTier
 
@@ -31,7 +31,10 @@ _MEDIUM = {
     Medium.NETWORK: (vllm_base.Medium.CPU, vllm_base.Locality.REMOTE),
     Medium.REMOTE_MEMORY: (vllm_base.Medium.CPU, vllm_base.Locality.REMOTE),
 }
-_LOCALITY = {"local": vllm_base.Locality.LOCAL, "remote": vllm_base.Locality.REMOTE}
+_LOCALITY = {
+    Locality.LOCAL: vllm_base.Locality.LOCAL,
+    Locality.REMOTE: vllm_base.Locality.REMOTE,
+}
 _SOURCE = {
     HitSource.HOST: CacheHitSource.HOST,
     HitSource.P2P: CacheHitSource.P2P,

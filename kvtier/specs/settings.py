@@ -29,7 +29,8 @@ from kvtier.config import ChunkGeometry, ConfigReader, OffloadingConfig
 from kvtier.errors import ConfigError
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.factory import CachePolicyFactory
-from kvtier.tiering.backpressure import DEFAULT_MARKS, BackpressureSettings
+from kvtier.records import Locality
+from kvtier.tiering.backpressure import BackpressureSettings
 from kvtier.tiering.manager import TierOptions
 from kvtier.tiering.runner import RunnerSettings
 from kvtier.tiers.base import SecondaryTier, TierContext
@@ -82,7 +83,7 @@ class TierConfig:
     tier_class: type[SecondaryTier]
     #: ``local`` or ``remote`` (``locality``, else the tier class's): picks the default
     #: water marks and what the vLLM adapter reports.
-    locality: str
+    locality: Locality
     #: ``max_concurrent_jobs``, ``max_promotion_chunks`` and the time-outs.
     runner: RunnerSettings
     #: The top-level ``backpressure`` merged field by field under the tier's own, water
@@ -128,7 +129,7 @@ class TierConfig:
         params = SecondaryTierFactory.tier_params(raw)
         settings = SecondaryTierFactory.parse_params(tier_class, params, path)
         reader = ConfigReader(raw, path)
-        locality: str = reader.string("locality", tier_class.locality, choices=tuple(DEFAULT_MARKS))
+        locality: Locality = reader.choice("locality", Locality, tier_class.locality)
         name: str | None = reader.string("name", None)
         if name is not None and (":" in name or not name.isprintable()):
             raise ConfigError(f"{path}.name", "expected a printable name without ':'")
@@ -156,7 +157,7 @@ class TierConfig:
         )
 
 
-def _runner_settings(reader: ConfigReader, locality: str) -> RunnerSettings:
+def _runner_settings(reader: ConfigReader, locality: Locality) -> RunnerSettings:
     default = _RUNNER_DEFAULTS
     return RunnerSettings(
         max_concurrent_jobs=reader.integer(
@@ -164,7 +165,7 @@ def _runner_settings(reader: ConfigReader, locality: str) -> RunnerSettings:
         ),
         max_promotion_chunks=reader.integer(
             "max_promotion_chunks",
-            LOCAL_PROMOTION_CHUNKS if locality == "local" else default.max_promotion_chunks,
+            LOCAL_PROMOTION_CHUNKS if locality is Locality.LOCAL else default.max_promotion_chunks,
             minimum=1,
         ),
         job_timeout_s=reader.number(
@@ -311,7 +312,7 @@ class SpecSettings:
         defaults: Mapping[str, Any] | None = reader.mapping("backpressure", None)
         if defaults is not None:
             # Checked on its own, with or without tiers, so a bad value is named here.
-            BackpressureSettings.parse(defaults, "backpressure", "local", check_marks=False)
+            BackpressureSettings.parse(defaults, "backpressure", Locality.LOCAL, check_marks=False)
             defaults = MappingProxyType(dict(defaults))
         tiers = tuple(
             TierConfig.parse(

@@ -16,6 +16,7 @@ Only cascades are ever dropped, never promotions, and each drop is counted.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from typing import Any
 
 from kvtier.config import ConfigReader
 from kvtier.errors import ConfigError
+from kvtier.records import Locality
 
-__all__ = ["Backpressure", "BackpressureSettings"]
+__all__ = ["DEFAULT_MARKS", "Backpressure", "BackpressurePolicy", "BackpressureSettings"]
 
 _MIB = float(1 << 20)
 # Stores smaller than this still count as this much: timer and scheduling noise would
@@ -33,7 +35,17 @@ _MIN_SAMPLE_MIB = 0.25
 
 #: Water marks (s/MiB) by locality: a local NVMe writes 1 MiB in well under 1 ms; 5 ms
 #: per MiB (200 MB/s) means it is saturated. Remote stores have more latency per MiB.
-DEFAULT_MARKS = {"local": (0.005, 0.001), "remote": (0.020, 0.005)}
+DEFAULT_MARKS = {Locality.LOCAL: (0.005, 0.001), Locality.REMOTE: (0.020, 0.005)}
+
+
+class BackpressurePolicy(str, enum.Enum):
+    """What a pressured tier's cascades meet (the module's docstring says how)."""
+
+    THROTTLED = "throttled"
+    DROP = "drop"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -43,9 +55,9 @@ class BackpressureSettings:
     The water marks default by locality (:data:`DEFAULT_MARKS`): a local tier's here.
     """
 
-    policy: str = "throttled"
-    high_water: float = DEFAULT_MARKS["local"][0]
-    low_water: float = DEFAULT_MARKS["local"][1]
+    policy: BackpressurePolicy = BackpressurePolicy.THROTTLED
+    high_water: float = DEFAULT_MARKS[Locality.LOCAL][0]
+    low_water: float = DEFAULT_MARKS[Locality.LOCAL][1]
     alpha: float = 0.3
     warmup: int = 3
     decay_half_life_s: float = 2.0
@@ -53,7 +65,12 @@ class BackpressureSettings:
 
     @classmethod
     def parse(
-        cls, raw: Mapping[str, Any], path: str, locality: str, *, check_marks: bool = True
+        cls,
+        raw: Mapping[str, Any],
+        path: str,
+        locality: Locality,
+        *,
+        check_marks: bool = True,
     ) -> BackpressureSettings:
         """Read a merged ``backpressure`` mapping; water marks default by ``locality``.
 
@@ -67,7 +84,7 @@ class BackpressureSettings:
         default = cls()
         reader = ConfigReader(raw, path)
         settings = cls(
-            policy=reader.string("policy", default.policy, choices=("throttled", "drop")),
+            policy=reader.choice("policy", BackpressurePolicy, default.policy),
             high_water=reader.number("high_water", high_default, minimum=0, exclusive_minimum=True),
             low_water=reader.number("low_water", low_default, minimum=0),
             alpha=reader.number(
@@ -136,7 +153,7 @@ class Backpressure:
         return dropped
 
     def _drop_share(self) -> float:
-        if self.settings.policy == "drop":
+        if self.settings.policy is BackpressurePolicy.DROP:
             return 1.0
         high = self.settings.high_water
         return min(max((self.ema - high) / (2 * high), 0.0), 1.0)

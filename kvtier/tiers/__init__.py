@@ -7,13 +7,14 @@ should report its hits as coming from (:class:`~kvtier.records.HitSource`).
 :mod:`kvtier.tiers.memcached` is the model of a tier that talks to a server.
 """
 
-from kvtier.records import HitSource, Medium
+from kvtier.records import HitSource, Locality, Medium
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.factory import SecondaryTierFactory
 
 __all__ = [
     "HitSource",
     "JobResult",
+    "Locality",
     "Medium",
     "SecondaryTier",
     "SecondaryTierFactory",

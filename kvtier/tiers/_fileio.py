@@ -2,8 +2,9 @@
 
 The fs tier moves each chunk with one ``os.preadv`` / ``os.pwritev`` straight between
 its file and the region's slot (no aiofiles on the data path: each of its calls hops
-to a thread and back and builds a ``bytes`` per read), a job's chunks shared by as many of the direction's own threads
-as its :class:`~kvtier.tiers._depth.IoDepth` allows.
+to a thread and back and builds a ``bytes`` per read), a job's chunks shared by as
+many of the direction's own threads as its :class:`~kvtier.tiers._depth.IoDepth`
+allows.
 """
 
 from __future__ import annotations

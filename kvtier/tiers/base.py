@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 from kvtier.config import ConfigReader
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricDefinition, MetricsRecorder
-from kvtier.records import HitSource, Medium, OffloadingEvent
+from kvtier.records import HitSource, Locality, Medium, OffloadingEvent
 from kvtier.region import PrimaryView
 from kvtier.resources import AsyncResource
 
@@ -242,8 +242,9 @@ class SecondaryTier(AsyncResource):
     #: ``CacheHitSource``). A class that sets :attr:`medium` and not this gets its
     #: medium's (:meth:`HitSource.of <kvtier.records.HitSource.of>`).
     hit_source: ClassVar[HitSource] = HitSource.DISK
-    #: ``"local"`` or ``"remote"``; picks the default back-pressure water marks.
-    locality: ClassVar[str] = "local"
+    #: On this node or across a network; picks the default back-pressure water marks
+    #: and promotion budget (a plain ``"local"`` / ``"remote"`` is read as the member).
+    locality: ClassVar[Locality | str] = Locality.LOCAL
     #: The parsed form of this tier's parameters; None for a tier that reads its
     #: keyword arguments itself.
     settings_class: ClassVar[type[TierSettings] | None] = None

@@ -55,7 +55,7 @@ from kvtier.errors import KVTierError
 from kvtier.format import HEADER_BYTES, ChunkFormat, namespace_directory
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, MetricDefinition
-from kvtier.records import Medium, OffloadingEvent
+from kvtier.records import Locality, Medium, OffloadingEvent
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.kit import (
     ConfigError,
@@ -182,7 +182,7 @@ class MemcachedTier(SecondaryTier):
     """Chunks as items of a memcached server (parameters: :class:`MemcachedSettings`)."""
 
     medium = Medium.REMOTE_MEMORY
-    locality = "remote"
+    locality = Locality.REMOTE
     settings_class = MemcachedSettings
 
     def __init__(self, ctx: TierContext, settings: MemcachedSettings) -> None:

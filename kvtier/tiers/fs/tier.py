@@ -35,7 +35,7 @@ from kvtier.format import (
 )
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition, tier_io_metric_definitions
-from kvtier.records import Medium, OffloadingEvent
+from kvtier.records import Locality, Medium, OffloadingEvent
 from kvtier.resources import TaskSet
 from kvtier.tiers._depth import IoDepth, depth_gauge
 from kvtier.tiers._fileio import advance, aligned_header, in_threads, size_of
@@ -61,7 +61,7 @@ class FileSystemTier(SecondaryTier):
     """Chunks as files on a local or shared filesystem (parameters: :class:`FsSettings`)."""
 
     medium = Medium.STORAGE
-    locality = "local"
+    locality = Locality.LOCAL
     settings_class = FsSettings
 
     def __init__(self, ctx: TierContext, settings: FsSettings | None = None, **params: Any) -> None:

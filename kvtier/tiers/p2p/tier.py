@@ -20,7 +20,7 @@ from kvtier.errors import ConfigError
 from kvtier.format import ChunkFormat
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, GaugeDef, MetricDefinition
-from kvtier.records import Medium, OffloadingEvent
+from kvtier.records import Locality, Medium, OffloadingEvent
 from kvtier.resources import TaskSet
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.kit import EventLog, ThrottledLog
@@ -59,7 +59,7 @@ class PeerTier(SecondaryTier):
     """
 
     medium = Medium.NETWORK  # its hits are P2P ones
-    locality = "remote"
+    locality = Locality.REMOTE
     settings_class = PeerSettings
 
     def __init__(

@@ -48,7 +48,7 @@ from kvtier.format import (
 )
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, MetricDefinition
-from kvtier.records import Medium, OffloadingEvent
+from kvtier.records import Locality, Medium, OffloadingEvent
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.kit import CorruptChunks, EventLog, ThrottledLog, describe_error
 from kvtier.tiers.s3.client import Failed, S3Client, S3TierError, Upload, each
@@ -81,7 +81,7 @@ class S3Tier(SecondaryTier):
 
     # Object storage: vLLM's own object-store tier reports its hits as disk ones too.
     medium = Medium.STORAGE
-    locality = "remote"
+    locality = Locality.REMOTE
     settings_class = S3Settings
 
     def __init__(self, ctx: TierContext, settings: S3Settings) -> None:
