@@ -67,7 +67,7 @@ def scripted(tag: str, **params: Any) -> dict[str, Any]:
 
 async def store_all(kv: KVTier, ks: list[OffloadKey], first_block: int = 0) -> None:
     """Store ``ks`` a primary-full at a time, so every key reaches the secondary tiers."""
-    size = kv.manager.host.num_chunks
+    size = kv.num_chunks
     for i in range(0, len(ks), size):
         part = ks[i : i + size]
         blocks = list(range(first_block + i, first_block + i + len(part)))

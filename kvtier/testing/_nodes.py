@@ -67,7 +67,7 @@ class Node:
 
     @property
     def primary_chunks(self) -> int:
-        return self.kv.manager.host.num_chunks
+        return self.kv.num_chunks
 
     def blocks(self, count: int) -> list[int]:
         """``count`` GPU blocks no call in flight uses: they go round the tensor."""
