@@ -1,36 +1,66 @@
-"""A memcached server on loopback for the memcached tier's tests.
+"""Real memcached on loopback for the memcached tier's tests.
 
-It speaks the part of memcached's text protocol the tier uses (``version``, ``add``,
-``set``, ``get``, ``touch``, ``delete``, and ASCII authentication as ``memcached -Y``
-does), keeps its items in a dictionary the tests can read and damage, and can hold the
-answer to the next command of a kind (:meth:`MemcachedServer.hold_next`), as a
-:class:`~kvtier.testing.Stall`. Real memcached is not installed here; the tier only
-needs what the protocol says, which this server follows.
+- :class:`MemcachedServer`: the ``memcached`` binary in its own process, listening on
+  127.0.0.1 only, started on a free port and stopped by its pid; it can be killed and
+  started again on the same port, as a server that crashes and comes back. With
+  ``credentials`` it asks for memcached's ASCII authentication (``-Y``), which is what
+  the tier speaks. :meth:`~MemcachedServer.read_item` and
+  :meth:`~MemcachedServer.write_item` reach its items with plain ``get`` and ``set``,
+  past any tier (to read what the tier stored, to plant damaged bytes).
+- :class:`MemcachedProxy`: a :class:`~holding_proxy.HoldingProxy` that frames
+  memcached's commands, so that ``hold_next("get")`` holds the answer to the next
+  ``get`` and to nothing else (a lookup's ``touch`` goes by).
+
+A test that builds a server is skipped where no memcached binary is installed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
 
-from loopback import LoopbackServer
+import anyio
+import pytest
+from holding_proxy import HoldingProxy, _Connection
 
-from kvtier.testing import Stall
+from kvtier.bench.servers import free_port, wait_listening
 
-# memcached's default item size (-I 1m).
+__all__ = ["MemcachedProxy", "MemcachedServer", "memcached_binary"]
+
+# memcached's own default item size (-I 1m): the tier's default max_item_bytes.
 DEFAULT_ITEM_BYTES = 1 << 20
+# A test stores a few MiB at most. memcached refuses an item size above half its memory.
+MEMORY_MIB = 32
+# memcached starts in milliseconds; a loaded machine may take more.
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
+# An item read or written past the tier is on loopback: anything slower is a hang.
+IO_TIMEOUT_S = 10.0
+# The commands whose line is followed by a value of the length in their fifth word.
+_STORAGE_COMMANDS = frozenset({"set", "add", "replace", "append", "prepend", "cas"})
 
 
-class _Hold(Stall):
-    def __init__(self, command: bytes) -> None:
-        super().__init__()
-        self.command = command
-        self.released = asyncio.Event()
+def memcached_binary() -> str:
+    """The memcached executable; skips the calling test where none is installed."""
+    binary = shutil.which("memcached")
+    if binary is None:
+        pytest.skip("memcached is not installed (Debian: apt-get install memcached)")
+    return binary
 
 
-class MemcachedServer(LoopbackServer):
-    """Items by name; ``credentials`` ``(user, password)`` asks for authentication."""
+class MemcachedServer:
+    """memcached on 127.0.0.1 in its own process, while the context lasts.
+
+    ``credentials`` ``(user, password)`` makes it ask for them (``-Y``); items hold up
+    to ``max_item_bytes`` (``-I``).
+    """
 
     def __init__(
         self,
@@ -38,105 +68,169 @@ class MemcachedServer(LoopbackServer):
         credentials: tuple[str, str] | None = None,
         max_item_bytes: int = DEFAULT_ITEM_BYTES,
     ) -> None:
-        super().__init__()
-        self.items: dict[bytes, bytes] = {}
+        self.binary = memcached_binary()
         self.credentials = credentials
         self.max_item_bytes = max_item_bytes
-        self.commands: list[bytes] = []
-        self._armed: _Hold | None = None
-        self._holds: list[_Hold] = []
+        self.port = free_port()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._directory: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    async def __aenter__(self) -> MemcachedServer:
+        self._directory = tempfile.TemporaryDirectory(prefix="kvtier-memcached-")
+        if self.credentials is not None:
+            user, password = self.credentials
+            self._path("auth").write_text(f"{user}:{password}\n")
+        try:
+            await self.start()
+        except BaseException:
+            self._directory.cleanup()
+            raise
+        return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        for hold in self._holds:
-            hold.released.set()
-        await self._stop(cancel_handlers=True)
-
-    @contextlib.contextmanager
-    def hold_next(self, command: bytes) -> Iterator[Stall]:
-        """Hold the answer to the next ``command`` (``b"get"``, ``b"add"``) until the
-        block ends; the command itself is carried out first."""
-        hold = self._armed = _Hold(command)
-        self._holds.append(hold)
         try:
-            yield hold
+            await self.stop()
         finally:
-            if self._armed is hold:
-                self._armed = None
-            hold.released.set()
+            if self._directory is not None:
+                self._directory.cleanup()
 
-    async def _handle(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
-        self._serving(to_client)
-        authenticated = self.credentials is None
+    def _path(self, name: str) -> Path:
+        assert self._directory is not None, "the server is not entered"
+        return Path(self._directory.name) / name
+
+    def _command(self) -> list[str]:
+        command = [
+            self.binary,
+            "-l",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-U",
+            "0",  # no UDP port
+            "-m",
+            str(MEMORY_MIB),
+            "-I",
+            str(self.max_item_bytes),
+        ]
+        if os.geteuid() == 0:
+            # memcached refuses to run as root without -u; CI's tests run as root.
+            command += ["-u", "root"]
+        if self.credentials is not None:
+            command += ["-Y", str(self._path("auth"))]
+        return command
+
+    async def start(self) -> None:
+        """Start the server (on the port it had before, after a kill or a stop) and
+        wait until it accepts connections."""
+        if self.running:
+            return
         try:
-            while line := await client.readline():
+            await asyncio.to_thread(self._launch)
+        except BaseException:
+            await self.stop()
+            raise
+
+    def _launch(self) -> None:
+        log = self._path("memcached.log")
+        with open(log, "ab") as output:
+            self._process = subprocess.Popen(
+                self._command(), stdin=subprocess.DEVNULL, stdout=output, stderr=output
+            )
+        try:
+            wait_listening(self.port, START_TIMEOUT_S, lambda: self.running)
+        except RuntimeError:
+            said = log.read_text(errors="replace").strip()
+            raise RuntimeError(
+                f"memcached on port {self.port} exited while starting: {said}"
+            ) from None
+
+    async def kill(self) -> None:
+        """Kill the server (SIGKILL) as a crash would: its items are gone with it."""
+        await self._end(signal.SIGKILL)
+
+    async def stop(self) -> None:
+        """Terminate the server, killing it if it does not exit in time."""
+        await self._end(signal.SIGTERM)
+
+    async def _end(self, sig: signal.Signals) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(sig)
+            try:
+                await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
+
+    async def read_item(self, name: str) -> bytes | None:
+        """The value of item ``name`` (``get``), or None when the server holds none."""
+        async with self._connection() as (reader, writer):
+            writer.write(f"get {name}\r\n".encode())
+            line = await reader.readuntil(b"\r\n")
+            if line == b"END\r\n":
+                return None
+            size = int(line.split()[3])
+            value = await reader.readexactly(size + 2)
+            assert await reader.readuntil(b"\r\n") == b"END\r\n"
+            return value[:-2]
+
+    async def write_item(self, name: str, value: bytes) -> None:
+        """Store ``value`` as item ``name`` (``set``, replacing what is there)."""
+        async with self._connection() as (reader, writer):
+            writer.write(b"set %s 0 0 %d\r\n%s\r\n" % (name.encode(), len(value), value))
+            answer = await reader.readuntil(b"\r\n")
+            assert answer == b"STORED\r\n", f"memcached answered {answer!r} to a set"
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        with anyio.fail_after(IO_TIMEOUT_S):
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            try:
+                if self.credentials is not None:
+                    credentials = " ".join(self.credentials).encode()
+                    writer.write(b"set auth 0 0 %d\r\n%s\r\n" % (len(credentials), credentials))
+                    assert await reader.readuntil(b"\r\n") == b"STORED\r\n"
+                yield reader, writer
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+
+
+class MemcachedProxy(HoldingProxy):
+    """Relays 127.0.0.1:``port`` to a memcached server, a command at a time:
+    ``hold_next("get")`` holds the answer to the next ``get`` only."""
+
+    async def _requests(
+        self, connection: _Connection, client: asyncio.StreamReader, to_server: asyncio.StreamWriter
+    ) -> None:
+        try:
+            while True:
+                try:
+                    line = await client.readuntil(b"\r\n")
+                except asyncio.IncompleteReadError:
+                    return
                 words = line.split()
-                if not words:
-                    continue
-                verb = words[0]
-                self.commands.append(verb)
-                if verb in (b"add", b"set"):
-                    value = await client.readexactly(int(words[4]) + 2)
-                    answer = self._store(words, value[:-2], authenticated)
-                    if answer == b"AUTHENTICATED":
-                        authenticated, answer = True, b"STORED\r\n"
-                elif not authenticated:
-                    answer = b"CLIENT_ERROR unauthenticated\r\n"
-                elif verb == b"version":
-                    answer = b"VERSION 1.6.0-kvtier-test\r\n"
-                elif verb == b"get":
-                    value = self.items.get(words[1])
-                    answer = b"END\r\n"
-                    if value is not None:
-                        head = b"VALUE %s 0 %d\r\n" % (words[1], len(value))
-                        answer = head + value + b"\r\nEND\r\n"
-                elif verb == b"touch":
-                    answer = b"TOUCHED\r\n" if words[1] in self.items else b"NOT_FOUND\r\n"
-                elif verb == b"delete":
-                    found = self.items.pop(words[1], None) is not None
-                    answer = b"DELETED\r\n" if found else b"NOT_FOUND\r\n"
-                else:
-                    answer = b"ERROR\r\n"
-                held = await self._hold(verb, client)
-                to_client.write(answer)
-                await to_client.drain()
-                if held is not None:
-                    held.finish()
-        except (ConnectionError, asyncio.IncompleteReadError):
+                command = words[0].decode("latin-1") if words else ""
+                self._claim(connection, command)
+                to_server.write(line)
+                if command in _STORAGE_COMMANDS:
+                    to_server.write(await client.readexactly(int(words[4]) + 2))
+                await to_server.drain()
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
         finally:
-            to_client.close()
-
-    def _store(self, words: list[bytes], value: bytes, authenticated: bool) -> bytes:
-        if not authenticated:
-            user, _, password = value.decode().partition(" ")
-            if (user, password) == self.credentials:
-                return b"AUTHENTICATED"
-            return b"CLIENT_ERROR authentication failure\r\n"
-        if len(value) > self.max_item_bytes:
-            return b"SERVER_ERROR object too large for cache\r\n"
-        name = words[1]
-        if words[0] == b"add" and name in self.items:
-            return b"NOT_STORED\r\n"
-        self.items[name] = value
-        return b"STORED\r\n"
-
-    async def _hold(self, verb: bytes, client: asyncio.StreamReader) -> _Hold | None:
-        """Hold the answer to ``verb`` if a hold is armed for it; the hold, released."""
-        hold = self._armed
-        if hold is None or hold.command != verb:
-            return None
-        self._armed = None
-        hold.reach()
-        # The tier sends nothing more on this connection before its answer: what it
-        # reads now is the end of the connection, once the tier has let go.
-        gone = asyncio.ensure_future(client.read(1))
-        released = asyncio.ensure_future(hold.released.wait())
-        try:
-            await asyncio.wait([gone, released], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            released.cancel()
-        if gone.done():
-            hold.give_up()
-            raise ConnectionError("the client let go")
-        gone.cancel()
-        return hold
+            # The client is gone (or the proxy closes): so is whatever it waited for.
+            if connection.hold is not None:
+                connection.hold.give_up()
+            to_server.close()

@@ -1,18 +1,22 @@
-"""The memcached tier: its settings, what it derives from the engine, and its server."""
+"""The memcached tier: its settings, what it derives from the engine, and the real
+memcached on loopback (tests/memcached_server.py): authentication, items it holds
+already, a server killed and started again under a running engine."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import keys
+import torch
+from helpers import keys, store_all, tiering_config
 from memcached_server import MemcachedServer
 
-from kvtier import ConfigError
+from kvtier import ConfigError, KVTier
 from kvtier.bench.servers import free_port
 from kvtier.format import HEADER_BYTES
+from kvtier.metrics import MetricsRecorder, Names
 from kvtier.records import HitSource, Medium
 from kvtier.region import PrimaryView
 from kvtier.tiers.base import TierContext, TransferJob
-from kvtier.tiers.memcached import MemcachedSettings, MemcachedTier
+from kvtier.tiers.memcached import STORES_SKIPPED, MemcachedSettings, MemcachedTier
 
 pytestmark = pytest.mark.anyio
 
@@ -28,8 +32,15 @@ def anyio_backend():
 
 def context(chunks: int = 4, *, job_timeout_s: float = 30.0) -> TierContext:
     view = PrimaryView(memoryview(bytearray(chunks * CHUNK)), chunks, CHUNK)
+    settings = MemcachedSettings()
+    metrics = MetricsRecorder(MemcachedTier.build_metric_definitions(settings))
     return TierContext(
-        view, CHUNK, "kvtier/memcached-test", "1:memcached", job_timeout_s=job_timeout_s
+        view,
+        CHUNK,
+        "kvtier/memcached-test",
+        "1:memcached",
+        metrics=metrics,
+        job_timeout_s=job_timeout_s,
     )
 
 
@@ -123,9 +134,52 @@ async def test_an_item_the_server_already_holds_is_kept_and_counted_as_skipped()
         await memcached.start()
         try:
             ks = keys("twice", 1)
+            ctx.primary_view[0][:] = bytes([1]) * CHUNK
             await memcached.store(job(1, ks, [0], promotion=False))
+            ctx.primary_view[0][:] = bytes([2]) * CHUNK
             result = await memcached.store(job(2, ks, [0], promotion=False))
             assert result.success and result.transfer_bytes == 0
-            assert server.commands.count(b"add") == 2
+            assert ctx.metrics.total(STORES_SKIPPED, (ctx.tier_name,)) == 1
+            item = await server.read_item(memcached.item_name(ks[0]))
+            assert item is not None and item[HEADER_BYTES:] == bytes([1]) * CHUNK
         finally:
             await memcached.aclose()
+
+
+def failures(kv: KVTier, name: str) -> float:
+    kv.manager.on_schedule_end()  # flushes the step's counts
+    return kv.manager.metrics.sample(f"{name}_total", {"tier": "1:memcached"}) or 0.0
+
+
+async def test_a_server_killed_mid_run_is_a_counted_miss_and_serves_again_once_restarted(
+    engine_id,
+):
+    async with MemcachedServer() as server:
+        tier_params = {"type": "memcached", "server": server.address}
+        config = tiering_config(engine_id, [tier_params], chunks=8, kv_bytes_per_block=CHUNK)
+        generator = torch.Generator().manual_seed(3)
+        cache = torch.randint(0, 256, (64, CHUNK), dtype=torch.uint8, generator=generator)
+        async with KVTier(config, [cache]) as kv:
+            before, during, after = keys("before", 4), keys("during", 4), keys("after", 4)
+            await store_all(kv, before)
+            await kv.reset()
+            # The tier holds open connections to the server when it dies.
+            await server.kill()
+            assert await kv.lookup(before, "down", timeout=30) == 0
+            kv.finish("down")
+            await store_all(kv, during, first_block=10)
+            assert failures(kv, Names.LOOKUP_FAILURES) + failures(kv, Names.PROMOTION_JOB_FAILURES)
+            assert failures(kv, Names.CASCADE_JOB_FAILURES) >= 1
+            # Back on the same port, empty: what the dead server held is a plain miss.
+            await server.start()
+            await kv.reset()
+            assert await kv.lookup(before + during, "gone", timeout=30) == 0
+            kv.finish("gone")
+            assert failures(kv, Names.INTEGRITY_FAILURES) == 0
+            # And the tier stores and loads through the new server, byte-exact.
+            await store_all(kv, after, first_block=20)
+            await kv.reset()
+            assert await kv.lookup(after, "back", timeout=30) == 4
+            assert await kv.load(after, [40, 41, 42, 43], "back") == 4
+            kv.finish("back")
+            assert torch.equal(cache[40:44], cache[20:24])
