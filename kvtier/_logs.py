@@ -48,12 +48,13 @@ class ThrottledLog:
         kind: str,
         message: str,
         *args: object,
-        exc_info: BaseException | None = None,
+        error: BaseException | None = None,
     ) -> None:
         """Log ``message % args`` unless ``kind`` was logged within the interval.
 
-        ``exc_info``, the exception behind the problem, is written after the message as
-        text with its traceback (:func:`describe_failure`); the record does not keep it.
+        ``error``, the exception behind the problem, is written after the message as
+        text with its traceback (:func:`describe_failure`); the record does not keep it,
+        so a handler that keeps records keeps no frame of the tier that failed.
         """
         now = self._clock()
         last = self._last.get(kind)
@@ -66,9 +67,9 @@ class ThrottledLog:
         if suppressed:
             text += " (%d more like it since the last report)"
             args = (*args, suppressed)
-        if exc_info is not None:
+        if error is not None:
             text += ": %s"
-            args = (*args, describe_failure(exc_info))
+            args = (*args, describe_failure(error))
         self._logger.warning(text, self._label, *args)
 
 

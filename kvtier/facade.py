@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from prometheus_client import CollectorRegistry
 
+from kvtier._logs import describe_failure
 from kvtier.config import OffloadingConfig
 from kvtier.errors import KVTierError
 from kvtier.hosts.fence import Fence
@@ -469,8 +470,11 @@ class KVTier(AsyncResource):
             await self._copies.wait()
             await self.manager.drain()
             self._require(self._requests).end_all()
-        except Exception:
-            logger.exception("draining the KVTier before closing it failed; closing anyway")
+        except Exception as exc:
+            logger.error(
+                "draining the KVTier before closing it failed; closing anyway: %s",
+                describe_failure(exc),
+            )
 
     # --------------------------------------------------------------- helpers
 

@@ -26,6 +26,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
+from kvtier._logs import describe_failure
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -298,8 +300,8 @@ class MetricsRecorder:
             return
         try:
             source()
-        except Exception:
-            logger.exception("flushing metrics for a collection failed")
+        except Exception as exc:
+            logger.error("flushing metrics for a collection failed: %s", describe_failure(exc))
 
     def prometheus_metrics(self) -> Iterator[Counter | Gauge | Histogram]:
         """The Prometheus objects of every definition (collected by the registry)."""

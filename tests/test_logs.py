@@ -68,7 +68,7 @@ def test_a_failure_is_logged_as_text_with_its_traceback_and_no_exc_info(caplog):
     try:
         write(Row())
     except OSError as exc:
-        log.warning("store failure", "store job %d failed", 7, exc_info=exc)
+        log.warning("store failure", "store job %d failed", 7, error=exc)
     [record] = caplog.records
     assert record.exc_info is None
     first, *rest = record.getMessage().splitlines()

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from kvtier._logs import ThrottledLog
+from kvtier._logs import ThrottledLog, describe_failure
 from kvtier.keys import OffloadKey
 from kvtier.resources import AsyncResource, TaskSet
 from kvtier.tiering.completions import JobOutcome, JobReleased, LookupOutcome, Outcome
@@ -124,8 +124,8 @@ class TierRunner(AsyncResource):
             return
         try:
             await self.tier.aclose()
-        except Exception:
-            logger.exception("tier %s failed to close", self.label)
+        except Exception as exc:
+            logger.error("tier %s failed to close: %s", self.label, describe_failure(exc))
 
     async def _run_job(self, job: TransferJob, submitted: float) -> None:
         kind = "promotion" if job.is_promotion else "cascade"
@@ -177,7 +177,7 @@ class TierRunner(AsyncResource):
                 kind,
                 job.job_id,
                 len(job.keys),
-                exc_info=exc,
+                error=exc,
             )
             return JobResult(job.job_id, False)
         if not isinstance(result, JobResult) or result.job_id != job.job_id:
@@ -210,7 +210,7 @@ class TierRunner(AsyncResource):
             answers = tuple(bool(a) for a in await self.tier.lookup(keys))
         except Exception as exc:
             self._failures.warning(
-                "lookup failure", "lookup of %d chunks failed", len(keys), exc_info=exc
+                "lookup failure", "lookup of %d chunks failed", len(keys), error=exc
             )
             return None
         if len(answers) != len(keys):
@@ -239,7 +239,7 @@ class TierRunner(AsyncResource):
         try:
             return bool(await self.tier.clear())
         except Exception as exc:
-            self._failures.warning("clear failure", "clearing failed", exc_info=exc)
+            self._failures.warning("clear failure", "clearing failed", error=exc)
             return False
 
     async def _bounded(
