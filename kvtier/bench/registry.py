@@ -25,12 +25,16 @@ For example, a tier kept in RAM, held against a plain memory copy::
         (Limit(Direction.READ, "memcpy (example)", "example_memcpy_gbps", "example_read"),),
     ))
 
-The built-in entries (fs, s3, p2p) are in :mod:`kvtier.bench.tiers`.
+A tier's entry may live in the tier's own package and join by one line,
+``BENCH_TIERS.register_module(name, module_path)``: the module is imported when the
+entry is first needed, so it may import the bench itself. The built-in entries are
+listed, in table order, in :mod:`kvtier.bench.tiers`.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -163,7 +167,8 @@ class BenchTierRegistry:
     """Bench tiers by name, in registration order (the order of the limits table)."""
 
     def __init__(self, entries: Iterable[BenchTier] = ()) -> None:
-        self._entries: dict[str, BenchTier] = {}
+        # An entry registered by module is (module path, attribute) until first needed.
+        self._entries: dict[str, BenchTier | tuple[str, str]] = {}
         for entry in entries:
             self.register(entry)
 
@@ -176,17 +181,20 @@ class BenchTierRegistry:
         """
         if entry.name in self._entries:
             raise ValueError(f"bench tier {entry.name!r} is registered already")
-        for other in self._entries.values():
-            if other.tier_class is entry.tier_class:
-                raise ValueError(
-                    f"{entry.tier_class.__name__} is benchmarked as {other.name!r} already"
-                )
-        taken = {MEMCPY_KEY} | {key for limit in self.limits() for key in (limit.key, limit.ratio)}
-        for limit in entry.limits:
-            for key in (limit.key, limit.ratio):
-                if key in taken:
-                    raise ValueError(f"bench tier {entry.name}: report key {key!r} is taken")
+        _check_against(entry, self._loaded())
         self._entries[entry.name] = entry
+
+    def register_module(self, name: str, module_path: str, attribute: str = "BENCH_TIER") -> None:
+        """Add the entry called ``name`` that module ``module_path`` defines as
+        ``attribute``, imported when an entry is first needed (:meth:`names` imports
+        nothing), and then checked as :meth:`register` checks.
+
+        Raises:
+            ValueError: ``name`` is registered already.
+        """
+        if name in self._entries:
+            raise ValueError(f"bench tier {name!r} is registered already")
+        self._entries[name] = (module_path, attribute)
 
     def unregister(self, name: str) -> None:
         """Remove the entry called ``name`` (KeyError if there is none)."""
@@ -196,26 +204,60 @@ class BenchTierRegistry:
         return list(self._entries)
 
     def __iter__(self) -> Iterator[BenchTier]:
-        return iter(list(self._entries.values()))
+        return iter(self._all())
 
     def get(self, name: str) -> BenchTier:
         """The entry ``--tiers`` calls ``name``.
 
         Raises:
-            ValueError: none is registered under ``name``.
+            ValueError: none is registered under ``name``, or its module does not
+                define it.
         """
-        try:
-            return self._entries[name]
-        except KeyError:
+        if name not in self._entries:
             raise ValueError(
                 f"unknown tier {name!r} for --tiers; expected some of {', '.join(self._entries)}"
-            ) from None
+            )
+        return next(entry for entry in self._all() if entry.name == name)
 
     def for_class(self, tier_class: type[SecondaryTier]) -> BenchTier | None:
         """The entry measuring tiers of ``tier_class``: its own, else its nearest base's."""
-        by_class = {entry.tier_class: entry for entry in self._entries.values()}
+        by_class = {entry.tier_class: entry for entry in self._all()}
         return next((by_class[c] for c in tier_class.__mro__ if c in by_class), None)
 
     def limits(self) -> list[Limit]:
         """Every entry's limits, in registration order."""
-        return [limit for entry in self._entries.values() for limit in entry.limits]
+        return [limit for entry in self._all() for limit in entry.limits]
+
+    def _loaded(self) -> list[BenchTier]:
+        return [entry for entry in self._entries.values() if isinstance(entry, BenchTier)]
+
+    def _all(self) -> list[BenchTier]:
+        """Every entry, in order, importing those registered by module."""
+        for name, entry in list(self._entries.items()):
+            if isinstance(entry, tuple):
+                loaded = _import_entry(name, *entry)
+                _check_against(loaded, self._loaded())
+                self._entries[name] = loaded
+        return self._loaded()
+
+
+def _import_entry(name: str, module_path: str, attribute: str) -> BenchTier:
+    entry = getattr(importlib.import_module(module_path), attribute, None)
+    if not isinstance(entry, BenchTier) or entry.name != name:
+        raise ValueError(f"{module_path}.{attribute} is not a bench tier called {name!r}")
+    return entry
+
+
+def _check_against(entry: BenchTier, others: Iterable[BenchTier]) -> None:
+    """Raise ValueError if ``entry`` takes the tier class or a report key of ``others``."""
+    taken = {MEMCPY_KEY}
+    for other in others:
+        if other.tier_class is entry.tier_class:
+            raise ValueError(
+                f"{entry.tier_class.__name__} is benchmarked as {other.name!r} already"
+            )
+        taken.update(key for limit in other.limits for key in (limit.key, limit.ratio))
+    for limit in entry.limits:
+        for key in (limit.key, limit.ratio):
+            if key in taken:
+                raise ValueError(f"bench tier {entry.name}: report key {key!r} is taken")
