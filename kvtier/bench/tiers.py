@@ -1,12 +1,11 @@
-"""The tiers ``kvtier bench`` knows: fs, s3 and p2p, in :data:`BENCH_TIERS`.
+"""The tiers ``kvtier bench`` knows, in :data:`BENCH_TIERS`: fs, s3 and p2p.
 
 Each is held against the plain version of its own I/O, measured in the same run with
 as many chunks as the tier moved: fs against raw ``pwritev``/``preadv`` of one-chunk
-files (1 GiB at most; the best of one thread and the tier's own depths), s3 against
-PUT/GET of the same objects by a plain client on the same server (512 MiB at most:
-local S3 servers are slow), p2p against chunks sent over loopback TCP (1 GiB at most).
-Another tier type joins by registering its own
-:class:`~kvtier.bench.registry.BenchTier` here.
+files (1 GiB at most; the best of one thread and the tier's own depths), p2p against
+chunks sent over loopback TCP (1 GiB at most). The s3 tier's entry lives with the tier
+(:mod:`kvtier.tiers.s3.bench`) and joins by one line below. Another tier type joins by
+registering its own :class:`~kvtier.bench.registry.BenchTier` here.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TypeVar
 
-from kvtier.bench.physical import measure_disk, measure_loopback, measure_s3
+from kvtier.bench.physical import measure_disk, measure_loopback
 from kvtier.bench.registry import (
     BenchTier,
     BenchTierRegistry,
@@ -27,15 +26,13 @@ from kvtier.bench.registry import (
     LimitContext,
     LocalTier,
 )
-from kvtier.bench.services import local_s3_server, peer_engine
-from kvtier.bench.settings import MIB, BenchSettings
-from kvtier.format import HEADER_BYTES
+from kvtier.bench.services import peer_engine
+from kvtier.bench.settings import BenchSettings
 from kvtier.tiers import SecondaryTier
 from kvtier.tiers.fs import FileSystemTier
 from kvtier.tiers.p2p import PeerTier
-from kvtier.tiers.s3 import S3Tier
 
-__all__ = ["BENCH_TIERS", "FS", "P2P", "S3", "raw_disk_depths"]
+__all__ = ["BENCH_TIERS", "FS", "P2P", "raw_disk_depths"]
 
 _T = TypeVar("_T", bound=SecondaryTier)
 
@@ -112,48 +109,6 @@ FS = BenchTier(
 
 
 @contextlib.asynccontextmanager
-async def _s3_server(settings: BenchSettings, workspace: Path) -> AsyncIterator[LocalTier]:
-    async with local_s3_server(workspace) as server:
-        yield LocalTier(
-            {
-                "type": "s3",
-                "bucket": server.bucket,
-                "endpoint_url": server.endpoint,
-                "access_key_id": server.access_key_id,
-                "secret_access_key": server.secret_access_key,
-                "prefix": "bench",
-            }
-        )
-
-
-async def _plain_s3_client(tier: SecondaryTier, run: LimitContext) -> dict[Direction, float]:
-    s3 = _as(tier, S3Tier)
-    moved = max(run.traffic.bytes_written, run.traffic.bytes_read)
-    async with s3.open_client() as client:
-        limits = await measure_s3(
-            client,
-            s3.bucket,
-            f"{s3.prefix}/kvtier-physical".lstrip("/"),
-            run.chunks(moved, 512 * MIB),
-            HEADER_BYTES + run.chunk_bytes,
-            s3.max_concurrency,
-        )
-    return {Direction.WRITE: limits.write_gbps, Direction.READ: limits.read_gbps}
-
-
-S3 = BenchTier(
-    "s3",
-    S3Tier,
-    _s3_server,
-    _plain_s3_client,
-    (
-        Limit(Direction.WRITE, "S3 PUT (plain client)", "s3_put_gbps", "s3_write"),
-        Limit(Direction.READ, "S3 GET (plain client)", "s3_get_gbps", "s3_read"),
-    ),
-)
-
-
-@contextlib.asynccontextmanager
 async def _peer(settings: BenchSettings, workspace: Path) -> AsyncIterator[LocalTier]:
     async with peer_engine(settings) as peer:
 
@@ -186,5 +141,9 @@ P2P = BenchTier(
     (Limit(Direction.READ, "loopback TCP", "tcp_loopback_gbps", "p2p_read"),),
 )
 
-#: The tiers ``kvtier bench --tiers`` can name; register a plugin tier's entry here.
-BENCH_TIERS = BenchTierRegistry((FS, S3, P2P))
+#: The tiers ``kvtier bench --tiers`` can name, one line each, in the order of the
+#: limits table; register a plugin tier's entry here.
+BENCH_TIERS = BenchTierRegistry()
+BENCH_TIERS.register(FS)
+BENCH_TIERS.register_module("s3", "kvtier.tiers.s3.bench")
+BENCH_TIERS.register(P2P)

@@ -29,6 +29,7 @@ from kvtier.tiers.example import ExampleTier
 from kvtier.tiers.fs import FileSystemTier
 from kvtier.tiers.p2p import PeerTier
 from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3 import bench as s3_bench
 
 SMALL = [
     "--chunk-mib", "0.25", "--primary-mib", "16", "--working-set-mib", "48",
@@ -72,6 +73,11 @@ def test_each_built_in_tier_class_is_measured_by_its_own_entry():
     assert BENCH_TIERS.for_class(S3Tier) is BENCH_TIERS.get("s3")
     assert BENCH_TIERS.for_class(PeerTier) is BENCH_TIERS.get("p2p")
     assert BENCH_TIERS.for_class(ExampleTier) is None
+
+
+def test_the_s3_entry_lives_with_the_s3_tier_and_joins_by_its_module():
+    assert BENCH_TIERS.get("s3") is s3_bench.BENCH_TIER
+    assert s3_bench.BENCH_TIER.tier_class is S3Tier
 
 
 def test_the_built_in_tiers_report_the_documented_ratios_in_table_order():
@@ -147,6 +153,31 @@ def test_an_unregistered_entry_is_gone_and_its_name_free_again():
     assert registry.names() == [] and registry.limits() == []
     registry.register(entry())
     assert registry.names() == ["example"]
+
+
+def test_an_entry_registered_by_module_is_named_at_once_and_imported_when_needed():
+    registry = BenchTierRegistry([entry()])
+    registry.register_module("later", "kvtier.no_such_module")
+    registry.register_module("s3", "kvtier.tiers.s3.bench")
+    # Naming them imports nothing (the first module does not exist).
+    assert registry.names() == ["example", "later", "s3"]
+    registry.unregister("later")
+    assert registry.get("s3") is s3_bench.BENCH_TIER
+    assert registry.limits()[1:] == list(s3_bench.BENCH_TIER.limits)
+
+
+def test_an_entry_registered_by_module_is_checked_once_imported():
+    registry = BenchTierRegistry()
+    registry.register_module("s4", "kvtier.tiers.s3.bench")
+    with pytest.raises(ValueError, match=r"BENCH_TIER is not a bench tier called 's4'"):
+        registry.get("s4")
+    registry.unregister("s4")
+    registry.register(BenchTier("objects", S3Tier, example_start))
+    registry.register_module("s3", "kvtier.tiers.s3.bench")
+    with pytest.raises(ValueError, match="S3Tier is benchmarked as 'objects' already"):
+        registry.limits()
+    with pytest.raises(ValueError, match="'s3' is registered already"):
+        registry.register(s3_bench.BENCH_TIER)
 
 
 @pytest.mark.parametrize(
