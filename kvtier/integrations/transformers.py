@@ -167,7 +167,7 @@ class PrefixCache:
             )
         if window_chunks is None:
             # A quarter leaves the rest of the primary tier to other requests' pins.
-            window_chunks = max(1, kv.manager.host.num_chunks // 4)
+            window_chunks = max(1, kv.num_chunks // 4)
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
         self.window_chunks = min(window_chunks, pool_chunks)
@@ -219,7 +219,7 @@ class PrefixCache:
     def recompute_s_per_chunk(self) -> float | None:
         """What recomputing one chunk costs the model, as measured so far (None before
         the first :meth:`observe_prefill`, or the configured value)."""
-        return self.kv.manager.host.recompute_s_per_chunk
+        return self.kv.recompute_s_per_chunk
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Tell kvtier that the model computed ``tokens`` prompt tokens in ``seconds``.
@@ -245,7 +245,7 @@ class PrefixCache:
         self._measured_s_per_chunk = (
             sample if current is None else current + _PREFILL_ALPHA * (sample - current)
         )
-        self.kv.manager.host.set_recompute_cost(self._measured_s_per_chunk)
+        self.kv.recompute_s_per_chunk = self._measured_s_per_chunk
 
     # -------------------------------------------------------------- requests
 
