@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
-from anyio.abc import SocketStream
+from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from kvtier.errors import KVTierError
@@ -56,6 +57,7 @@ from kvtier.format import HEADER_BYTES, ChunkFormat, namespace_directory
 from kvtier.keys import OffloadKey
 from kvtier.metrics import CounterDef, MetricDefinition
 from kvtier.records import Locality, Medium, OffloadingEvent
+from kvtier.resources import AsyncResource
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.kit import (
     ConfigError,
@@ -341,6 +343,19 @@ class _Connection:
         self.stream = stream
         self._reader = BufferedByteReceiveStream(stream)
 
+    def idle_and_open(self) -> bool:
+        """Whether an idle connection may carry the next exchange: the server has not
+        closed it (a server restarted since the last exchange has) and sent nothing
+        unasked. Looks without blocking: an idle connection in step has nothing to
+        read, so one that polls readable was closed or reset by the server, or is out
+        of step."""
+        sock = self.stream.extra(SocketAttribute.raw_socket, None)
+        if sock is None:
+            return True
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
+        return not poll.poll(0)
+
     async def command(self, command: bytes, expected: tuple[bytes, ...]) -> bytes:
         """Send ``command``; its one-line answer, which must be one of ``expected``."""
         await self.stream.send(command)
@@ -379,7 +394,7 @@ class _Connection:
         return await self._reader.receive_until(b"\r\n", _MAX_LINE_BYTES)
 
 
-class _Pool:
+class _Pool(AsyncResource):
     """Connections to the server, at most ``max_connections``, reused while they work."""
 
     def __init__(self, settings: MemcachedSettings) -> None:
@@ -389,9 +404,13 @@ class _Pool:
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[_Connection]:
-        """A connection for one exchange; closed, not reused, if the exchange fails."""
+        """A connection for one exchange; closed, not reused, if the exchange fails.
+
+        An idle connection the server closed meanwhile (it was restarted) is dropped
+        rather than handed out, so the first job after a restart does not fail on it.
+        """
         async with self._limit:
-            connection = self._idle.pop() if self._idle else await self._connect()
+            connection = await self._take_idle() or await self._connect()
             try:
                 yield connection
             except BaseException:
@@ -400,6 +419,16 @@ class _Pool:
                     await connection.stream.aclose()
                 raise
             self._idle.append(connection)
+
+    async def _take_idle(self) -> _Connection | None:
+        idle = self._idle
+        while idle:
+            connection = idle.pop()
+            if connection.idle_and_open():
+                return connection
+            with anyio.CancelScope(shield=True):
+                await connection.stream.aclose()
+        return None
 
     async def _connect(self) -> _Connection:
         settings = self._settings
@@ -421,6 +450,8 @@ class _Pool:
         return connection
 
     async def aclose(self) -> None:
+        """Close the idle connections (those in use close with their exchange).
+        Idempotent."""
         idle, self._idle = self._idle, []
         for connection in idle:
             await connection.stream.aclose()

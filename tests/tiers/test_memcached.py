@@ -183,3 +183,23 @@ async def test_a_server_killed_mid_run_is_a_counted_miss_and_serves_again_once_r
             assert await kv.load(after, [40, 41, 42, 43], "back") == 4
             kv.finish("back")
             assert torch.equal(cache[40:44], cache[20:24])
+
+
+async def test_a_server_restarted_while_the_tier_is_idle_loses_no_store_after_it(engine_id):
+    async with MemcachedServer() as server:
+        tier_params = {"type": "memcached", "server": server.address}
+        config = tiering_config(engine_id, [tier_params], chunks=8, kv_bytes_per_block=CHUNK)
+        generator = torch.Generator().manual_seed(4)
+        cache = torch.randint(0, 256, (64, CHUNK), dtype=torch.uint8, generator=generator)
+        async with KVTier(config, [cache]) as kv:
+            await store_all(kv, keys("warm", 4))  # the tier keeps its connections open
+            await server.kill()
+            await server.start()
+            after = keys("after", 4)
+            await store_all(kv, after, first_block=20)
+            assert failures(kv, Names.CASCADE_JOB_FAILURES) == 0
+            await kv.reset()
+            assert await kv.lookup(after, "back", timeout=30) == 4
+            assert await kv.load(after, [40, 41, 42, 43], "back") == 4
+            kv.finish("back")
+            assert torch.equal(cache[40:44], cache[20:24])
