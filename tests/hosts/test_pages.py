@@ -13,15 +13,13 @@ from typing import Any
 
 import pytest
 from helpers import make_config
+from page_buffers import HALF, PAGE_BYTES, Pages, contents
 from scripted_tier import ScriptedTier
 
 import kvtier.hosts.pages as pages_module
 from kvtier import ConfigError, OffloadingConfig, OffloadKey, make_offload_key
-from kvtier.hosts import PageStore, Segment
+from kvtier.hosts import PageStore
 
-#: Two segments per page, as an engine's K and V halves may come.
-HALF = 6000
-PAGE_BYTES = 2 * HALF
 ROW = -(-PAGE_BYTES // 4096) * 4096
 
 
@@ -36,31 +34,6 @@ def config(
 
 def fs(root: Path) -> list[dict[str, Any]]:
     return [{"type": "fs", "root_dir": str(root)}]
-
-
-class Pages:
-    """Page buffers in this process's memory, with their segments."""
-
-    def __init__(self, count: int) -> None:
-        self.buffers = [ctypes.create_string_buffer(PAGE_BYTES) for _ in range(count)]
-
-    def segments(self) -> list[list[Segment]]:
-        return [
-            [(ctypes.addressof(buf), HALF), (ctypes.addressof(buf) + HALF, HALF)]
-            for buf in self.buffers
-        ]
-
-    def fill(self, names: list[str]) -> None:
-        for buf, name in zip(self.buffers, names, strict=True):
-            ctypes.memmove(buf, contents(name), PAGE_BYTES)
-
-    def holds(self, names: list[str]) -> list[bool]:
-        return [buf.raw == contents(name) for buf, name in zip(self.buffers, names, strict=True)]
-
-
-def contents(name: str) -> bytes:
-    seed = hashlib.sha256(name.encode()).digest()
-    return (seed * (PAGE_BYTES // len(seed) + 1))[:PAGE_BYTES]
 
 
 def chain(count: int) -> tuple[list[str], list[OffloadKey]]:

@@ -4,21 +4,18 @@ specified in tests/hosts/test_pages.py)."""
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+from page_buffers import PAGE_BYTES, Pages
 
 from kvtier import ConfigError
-from kvtier.integrations.sglang import PageStore, Segment, offloading_config, page_key
+from kvtier.integrations.sglang import PageStore, offloading_config, page_key
 
 PAGE_TOKENS = 16
-#: Two segments per page, as SGLang's MHA pages come (K, then V).
-HALF = 6000
-PAGE_BYTES = 2 * HALF
 
 
 def make_store(engine_id: str, kvtier: dict[str, Any], *, shard: str = "") -> PageStore:
@@ -39,31 +36,6 @@ def fs_tiers(root: Path, cpu_bytes: int = 1 << 20) -> dict[str, Any]:
         "cpu_bytes_to_use": cpu_bytes,
         "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
     }
-
-
-class Pages:
-    """Page buffers in this process's memory, with their segments."""
-
-    def __init__(self, count: int) -> None:
-        self.buffers = [ctypes.create_string_buffer(PAGE_BYTES) for _ in range(count)]
-
-    def segments(self) -> list[list[Segment]]:
-        return [
-            [(ctypes.addressof(buf), HALF), (ctypes.addressof(buf) + HALF, HALF)]
-            for buf in self.buffers
-        ]
-
-    def fill(self, names: list[str]) -> None:
-        for buf, name in zip(self.buffers, names, strict=True):
-            ctypes.memmove(buf, contents(name), PAGE_BYTES)
-
-    def holds(self, names: list[str]) -> list[bool]:
-        return [buf.raw == contents(name) for buf, name in zip(self.buffers, names, strict=True)]
-
-
-def contents(name: str) -> bytes:
-    seed = hashlib.sha256(name.encode()).digest()
-    return (seed * (PAGE_BYTES // len(seed) + 1))[:PAGE_BYTES]
 
 
 def chain(count: int) -> list[str]:
