@@ -69,9 +69,9 @@ async def step_until(
     read before the step.
 
     A step should make a scheduler call (a lookup, ``prepare_store``,
-    ``on_schedule_end``): those apply the outcomes the tiers posted first. The wait
-    ends at once while an outcome waits to be applied, so a step that makes none is
-    taken again until the tier loop has applied it.
+    ``on_schedule_end``): those apply the outcomes the tiers posted first. A step that
+    makes none still sees each outcome: the tier loop applies it soon after it is
+    posted and then notifies, which ends the wait.
 
     Args:
         deadline: ``time.monotonic()`` after which the host stops waiting (None: never).
