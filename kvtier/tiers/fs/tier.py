@@ -402,9 +402,10 @@ class FileSystemTier(SecondaryTier):
         outcomes = dict(await in_threads(self._read_chunk, chunks, self._reads, self._file_bytes))
         loaded = [key for key in job.keys if outcomes.get(key) is None]
         lost = [key for key in job.keys if outcomes.get(key) is not None]
-        corrupt = {k: r for k, r in outcomes.items() if r is not None and r != MISSING}
-        await self._corrupt.discard(corrupt, f"promotion job {job.job_id}", self._remove)
-        self._forget(lost)
+        if lost:
+            corrupt = {k: r for k, r in outcomes.items() if r is not None and r != MISSING}
+            await self._corrupt.discard(corrupt, f"promotion job {job.job_id}", self._remove)
+            self._forget(lost)
         return JobResult(job.job_id, not lost, successful_keys=loaded)
 
     def _read_chunk(self, chunk: tuple[OffloadKey, memoryview]) -> tuple[OffloadKey, str | None]:
