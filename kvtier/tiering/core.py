@@ -135,6 +135,7 @@ class TieringCore:
                 if access is not None:
                     access.bind(TierPins(Holder.tier(state.label), self.completions.post))
         self.life = Lifecycle(loop, self._start_tiers, self._close_tiers)
+        self._runners = [state.runner for state in self.tiers]
         self._settling = False
 
     # -------------------------------------------------------------- lookups
@@ -260,8 +261,7 @@ class TieringCore:
             if job.is_promotion:
                 self.requests.started(job.req_id)
         assert self.loop is not None
-        runners = [state.runner for state in self.tiers]
-        self.loop.call(_launch_all, runners, jobs, lookups, time.perf_counter())
+        self.loop.call(_launch_all, self._runners, jobs, lookups, time.perf_counter())
 
     def busy(self) -> bool:
         """Whether any job or lookup is queued or in flight (late jobs aside)."""
@@ -401,14 +401,14 @@ class TieringCore:
     # ------------------------------------------------------ start and close
 
     async def _start_tiers(self) -> None:
-        await start_in_order([state.runner for state in self.tiers])
+        await start_in_order(self._runners)
 
     async def _close_tiers(self) -> None:
         """On the tier loop, once: what was queued goes, what is in flight ends."""
         with self.lock:
             self.promotions.drop_all()
         await self.life.wait_started()
-        await aclose_all("manager", [state.runner for state in reversed(self.tiers)])
+        await aclose_all("manager", list(reversed(self._runners)))
         with self.lock:
             self.poll()
             self.report.flush()
