@@ -80,7 +80,7 @@ class Requests:
         self._claims: dict[OffloadKey, Claim] = {}
         #: Requests keeping keys for a later call, by each key they keep.
         self._kept: dict[OffloadKey, Request] = {}
-        #: Requests that kept keys, oldest lease first (ended ones leave lazily).
+        #: Requests that kept keys, in the order they kept them (ended ones leave lazily).
         self._leases: deque[Request] = deque()
 
     # -------------------------------------------------------------- lifetimes
@@ -194,15 +194,19 @@ class Requests:
         now = self._clock()
         lapsed: list[Request] = []
         with self._lock:
-            leases = self._leases
-            # Oldest first; a request a call is using now is ended by that call.
-            while leases and (
-                not leases[0].kept or (leases[0].expires <= now and not leases[0].busy)
-            ):
-                request = leases.popleft()
-                if request.kept:
+            # Every lease, not only the oldest: leases differ in length, so a later one
+            # may run out first, and next_lapse_s (which a store's wait wakes by) counts
+            # it. A request a call is using now is ended by that call.
+            live: deque[Request] = deque()
+            for request in self._leases:
+                if not request.kept:
+                    continue
+                if request.expires <= now and not request.busy:
                     lapsed.append(request)
                     self._forget_kept(request)
+                else:
+                    live.append(request)
+            self._leases = live
         for request in lapsed:
             self.end(request.req_id)
 

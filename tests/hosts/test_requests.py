@@ -99,6 +99,20 @@ def test_a_lease_that_runs_out_ends_its_request(manager):
     assert requests.next_lapse_s() is None
 
 
+def test_a_short_lease_kept_after_a_long_one_ends_when_it_runs_out(manager):
+    clock = Clock()
+    requests = Requests(manager, clock=clock)
+    long_, short = requests.new(), requests.new()
+    requests.keep(long_, keys("long", 1), lease_s=60)
+    requests.keep(short, keys("short", 1), lease_s=5)
+    clock.now += 10
+    assert requests.next_lapse_s() == 0
+    requests.expire()
+    assert short.ended
+    assert not long_.ended
+    assert requests.next_lapse_s() == 50
+
+
 def test_ending_every_request_ends_those_on_lease_too(manager):
     requests = Requests(manager)
     open_, kept = requests.of("open"), requests.new()
