@@ -401,6 +401,7 @@ class _Pool(AsyncResource):
         self._settings = settings
         self._limit = anyio.Semaphore(settings.max_connections)
         self._idle: list[_Connection] = []
+        self._closed = False
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[_Connection]:
@@ -418,7 +419,12 @@ class _Pool(AsyncResource):
                 with anyio.CancelScope(shield=True):
                     await connection.stream.aclose()
                 raise
-            self._idle.append(connection)
+            if self._closed:
+                # The pool closed during the exchange: nobody would close it later.
+                with anyio.CancelScope(shield=True):
+                    await connection.stream.aclose()
+            else:
+                self._idle.append(connection)
 
     async def _take_idle(self) -> _Connection | None:
         idle = self._idle
@@ -452,6 +458,7 @@ class _Pool(AsyncResource):
     async def aclose(self) -> None:
         """Close the idle connections (those in use close with their exchange).
         Idempotent."""
+        self._closed = True
         idle, self._idle = self._idle, []
         for connection in idle:
             await connection.stream.aclose()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from anyio.abc import SocketAttribute
 from helpers import keys, store_all, tiering_config
 from memcached_server import MemcachedServer
 
@@ -144,6 +145,17 @@ async def test_an_item_the_server_already_holds_is_kept_and_counted_as_skipped()
             assert item is not None and item[HEADER_BYTES:] == bytes([1]) * CHUNK
         finally:
             await memcached.aclose()
+
+
+async def test_a_connection_in_use_when_the_tier_closes_is_closed_with_its_exchange():
+    async with MemcachedServer() as server:
+        memcached = tier(context(), server=server.address)
+        await memcached.start()
+        async with memcached._pool.connection() as connection:
+            await memcached.aclose()
+            await connection.command(b"version\r\n", (b"VERSION",))
+        sock = connection.stream.extra(SocketAttribute.raw_socket)
+        assert sock.fileno() == -1
 
 
 def failures(kv: KVTier, name: str) -> float:
