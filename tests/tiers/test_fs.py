@@ -482,6 +482,13 @@ async def test_the_loop_keeps_ticking_while_the_fs_tier_moves_data(engine_id, tm
     assert p99 < 0.25, f"loop lag p99 {p99 * 1000:.1f} ms"
 
 
+def test_a_root_dir_under_home_is_expanded_for_the_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ctx = TierContext(None, BLOCK, "ns", "1:fs")  # type: ignore[arg-type]
+    settings = FileSystemTier.settings_for(ctx, {"root_dir": "~/kv-cache"})
+    assert settings.root_dir == tmp_path / "kv-cache"
+
+
 async def test_a_missing_root_dir_is_created_when_its_parent_exists(engine_id, tmp_path):
     root = tmp_path / "cache"
     async with KVTier(fs_config(engine_id, root), [kv_tensor()]) as kv:

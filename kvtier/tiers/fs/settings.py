@@ -117,9 +117,14 @@ class FsSettings:
         )
 
     def for_chunks(self, chunk_bytes: int) -> FsSettings:
-        """These settings for chunks of ``chunk_bytes``: :attr:`start_depth` filled in."""
+        """These settings for chunks of ``chunk_bytes``: :attr:`start_depth` filled in,
+        and ``~`` in :attr:`root_dir` expanded."""
         small = chunk_bytes < DEEP_START_BYTES
-        return dataclasses.replace(self, start_depth=DEFAULT_START_DEPTH if small else START_DEPTH)
+        return dataclasses.replace(
+            self,
+            root_dir=self.root_dir.expanduser(),
+            start_depth=DEFAULT_START_DEPTH if small else START_DEPTH,
+        )
 
     @property
     def read_range(self) -> DepthRange:
