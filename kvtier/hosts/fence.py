@@ -87,11 +87,13 @@ class Fence:
         """Await ``waiting`` until it is done, the ``deadline`` (``time.monotonic()``)
         passes, or a fence goes up (which cancels it); at once if one stands already."""
         remaining = None if deadline is None else deadline - time.monotonic()
-        if self._raised or (remaining is not None and remaining <= 0):
-            waiting.close()
-            return
-        wait = asyncio.ensure_future(waiting)
         with self._state.lock:
+            # Checked and registered under one lock: a fence raised from a thread in
+            # between would otherwise miss this wait, which then runs to its deadline.
+            if self._raised or (remaining is not None and remaining <= 0):
+                waiting.close()
+                return
+            wait = asyncio.ensure_future(waiting)
             self._waits.add(wait)
         try:
             await asyncio.wait({wait}, timeout=remaining)
