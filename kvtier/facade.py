@@ -224,6 +224,11 @@ class KVTier(AsyncResource):
                     break
                 if not await self._wait_for(other, deadline):
                     break
+            if hits and (request.ended or self._fence.raised):
+                # Gave up waiting for a claim because the request finished or a reset
+                # began: the hits it had are not this request's any more.
+                self.manager.host.release_except(request.req, ())
+                hits = 0
             if claim:
                 requests.claim(request, keys[hits:])
         self._check_open()

@@ -16,7 +16,7 @@ from helpers import keys, make_config, scripted, tiering_config
 from kvtier_cli import kvtier
 from scripted_tier import ScriptedTier
 
-from kvtier import KVTier
+from kvtier import KVTier, ReqContext
 from kvtier.errors import KVTierError
 from kvtier.region import region_path
 from kvtier.worker import ThreadedCopyEngine
@@ -387,6 +387,19 @@ async def test_a_claim_ends_with_its_request_and_never_makes_claimers_wait(engin
         assert await kv.lookup(prefix, "fifth", timeout=0.1) == 0
         for req in ("second", "third", "fourth", "fifth"):
             kv.finish(req)
+
+
+async def test_a_lookup_waiting_for_a_claim_answers_0_when_a_reset_begins(engine_id):
+    async with KVTier(example_config(engine_id), [cache()]) as kv:
+        prefix = keys("claimed-reset", 3)
+        assert await kv.store(prefix[:1], [0], "writer") == 1
+        assert await kv.lookup(prefix, "first", claim=True) == 1  # computes the rest
+        waiting = asyncio.ensure_future(kv.lookup(prefix, "second", timeout=30))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # its first key found, waiting for the claimed ones
+        await kv.reset()
+        assert await asyncio.wait_for(waiting, 10) == 0
+        assert kv.manager.host.held(ReqContext("second")) == {}
 
 
 async def test_claiming_keys_past_a_lookup_makes_others_wait_for_them_too(engine_id):
