@@ -211,7 +211,7 @@ class Requests:
             self.end(request.req_id)
 
     def next_lapse_s(self) -> float | None:
-        """Seconds until the oldest lease runs out (None: no request keeps keys)."""
+        """Seconds until the first lease runs out (None: no request keeps keys)."""
         with self._lock:
             live = [r.expires for r in self._leases if r.kept and not r.busy]
         return None if not live else max(0.0, min(live) - self._clock())
