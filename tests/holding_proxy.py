@@ -103,35 +103,8 @@ class HoldingProxy(LoopbackServer):
     async def _requests(
         self, connection: _Connection, client: asyncio.StreamReader, to_server: asyncio.StreamWriter
     ) -> None:
-        framed = self.http
         try:
-            while True:
-                if not framed:
-                    data = await client.read(_READ_BYTES)
-                    if not data:
-                        return
-                    self._claim(connection, None)
-                    to_server.write(data)
-                    await to_server.drain()
-                    continue
-                try:
-                    head = await client.readuntil(b"\r\n\r\n")
-                except asyncio.IncompleteReadError:
-                    return
-                method, headers = _parse_head(head)
-                self._claim(connection, method)
-                to_server.write(head)
-                if "chunked" in headers.get("transfer-encoding", "").lower():
-                    framed = False
-                    continue
-                remaining = int(headers.get("content-length", "0"))
-                while remaining:
-                    data = await client.read(min(remaining, _READ_BYTES))
-                    if not data:
-                        return
-                    to_server.write(data)
-                    remaining -= len(data)
-                await to_server.drain()
+            await self._relay(connection, client, to_server)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
         finally:
@@ -139,6 +112,41 @@ class HoldingProxy(LoopbackServer):
             if connection.hold is not None:
                 connection.hold.give_up()
             to_server.close()
+
+    async def _relay(
+        self, connection: _Connection, client: asyncio.StreamReader, to_server: asyncio.StreamWriter
+    ) -> None:
+        """Pass the client's requests on, claiming a hold for each as it starts: a
+        framed HTTP request by its method, anything else by the chunk read. Returns
+        when the client closes; a subclass frames another protocol here."""
+        framed = self.http
+        while True:
+            if not framed:
+                data = await client.read(_READ_BYTES)
+                if not data:
+                    return
+                self._claim(connection, None)
+                to_server.write(data)
+                await to_server.drain()
+                continue
+            try:
+                head = await client.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            method, headers = _parse_head(head)
+            self._claim(connection, method)
+            to_server.write(head)
+            if "chunked" in headers.get("transfer-encoding", "").lower():
+                framed = False
+                continue
+            remaining = int(headers.get("content-length", "0"))
+            while remaining:
+                data = await client.read(min(remaining, _READ_BYTES))
+                if not data:
+                    return
+                to_server.write(data)
+                remaining -= len(data)
+            await to_server.drain()
 
     async def _answers(
         self, connection: _Connection, server: asyncio.StreamReader, to_client: asyncio.StreamWriter

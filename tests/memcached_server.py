@@ -211,26 +211,18 @@ class MemcachedProxy(HoldingProxy):
     """Relays 127.0.0.1:``port`` to a memcached server, a command at a time:
     ``hold_next("get")`` holds the answer to the next ``get`` only."""
 
-    async def _requests(
+    async def _relay(
         self, connection: _Connection, client: asyncio.StreamReader, to_server: asyncio.StreamWriter
     ) -> None:
-        try:
-            while True:
-                try:
-                    line = await client.readuntil(b"\r\n")
-                except asyncio.IncompleteReadError:
-                    return
-                words = line.split()
-                command = words[0].decode("latin-1") if words else ""
-                self._claim(connection, command)
-                to_server.write(line)
-                if command in _STORAGE_COMMANDS:
-                    to_server.write(await client.readexactly(int(words[4]) + 2))
-                await to_server.drain()
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass
-        finally:
-            # The client is gone (or the proxy closes): so is whatever it waited for.
-            if connection.hold is not None:
-                connection.hold.give_up()
-            to_server.close()
+        while True:
+            try:
+                line = await client.readuntil(b"\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            words = line.split()
+            command = words[0].decode("latin-1") if words else ""
+            self._claim(connection, command)
+            to_server.write(line)
+            if command in _STORAGE_COMMANDS:
+                to_server.write(await client.readexactly(int(words[4]) + 2))
+            await to_server.drain()
