@@ -23,7 +23,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvtier._logs import describe_error
 from kvtier.bench.engine import Engine, copy_engine, device, kv_caches
 from kvtier.bench.limits import measure_limits
 from kvtier.bench.registry import BenchTierRegistry, LocalTier, TierTraffic
@@ -149,10 +148,8 @@ class _FirstProblems(logging.Handler):
         found = self._PREFIX.fullmatch(record.getMessage())
         if found is None or found.group(1) in self.reasons:
             return
-        reason = found.group(2).splitlines()[0]
-        if record.exc_info and record.exc_info[1] is not None:
-            reason += f": {describe_error(record.exc_info[1])}"
-        self.reasons[found.group(1)] = reason
+        # The first line: kvtier logs a failure as text, its traceback after it.
+        self.reasons[found.group(1)] = found.group(2).splitlines()[0]
 
 
 @contextlib.contextmanager

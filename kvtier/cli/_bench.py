@@ -32,15 +32,10 @@ class _StderrLog(logging.Handler):
     """Library warnings (a failing tier's) on stderr, one line each, no traceback."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        from kvtier._logs import describe_error
-
-        # The first line: a failure's traceback follows it in the message.
+        # The first line: kvtier logs a failure as text, its traceback after it.
         first_line = record.getMessage().split("\n", 1)[0]
-        text = f"kvtier: {first_line}"
-        if record.exc_info and record.exc_info[1] is not None:
-            text += f": {describe_error(record.exc_info[1])}"
         # sys.stderr as it is now: a host (or a test) may have replaced it.
-        print(text, file=sys.stderr, flush=True)
+        print(f"kvtier: {first_line}", file=sys.stderr, flush=True)
 
 
 _STDERR_LOG = _StderrLog(logging.WARNING)
