@@ -54,6 +54,8 @@ class SecondaryTierFactory:
     _registry.register("obj", "kvtier.tiers.s3.tier", "S3Tier")
     _registry.register("p2p", "kvtier.tiers.p2p", "PeerTier")
     _registry.register("memcached", "kvtier.tiers.memcached", "MemcachedTier")
+    _registry.register("redis", "kvtier.tiers.redis", "RedisTier")
+    _registry.register("mooncake", "kvtier.tiers.mooncake", "MooncakeTier")
 
     @classmethod
     def register_tier(
