@@ -55,9 +55,13 @@ read in a task of its own, which would outlive an abort (see ``reader.Link``).
 
 from kvtier.tiers.p2p.channel import Channel, Listener, Transport
 from kvtier.tiers.p2p.context import (
+    ANNOUNCE_BYTES,
+    ANNOUNCE_FRAMES,
+    ANNOUNCE_KEYS,
     AUTH_FAILURES,
     CONNECTIONS,
     FRAMES_REJECTED,
+    INDEX_MEMORY,
     INDEXED_KEYS,
     SERVED_CHUNKS,
 )
@@ -67,10 +71,14 @@ from kvtier.tiers.p2p.sockets import SocketTransport
 from kvtier.tiers.p2p.tier import PeerTier
 
 __all__ = [
+    "ANNOUNCE_BYTES",
+    "ANNOUNCE_FRAMES",
+    "ANNOUNCE_KEYS",
     "AUTH_FAILURES",
     "CONNECTIONS",
     "FRAMES_REJECTED",
     "INDEXED_KEYS",
+    "INDEX_MEMORY",
     "SERVED_CHUNKS",
     "Channel",
     "Listener",

@@ -25,12 +25,18 @@ from kvtier.tiers.p2p.handshake import Credentials
 from kvtier.tiers.p2p.index import Announcer, PeerIndex
 
 __all__ = [
+    "ANNOUNCE_BYTES",
+    "ANNOUNCE_FRAMES",
+    "ANNOUNCE_KEYS",
     "AUTH_FAILURES",
     "CONNECTIONS",
     "FRAMES_REJECTED",
     "INDEXED_KEYS",
+    "INDEX_MEMORY",
     "SERVED_CHUNKS",
+    "Change",
     "Direction",
+    "Flow",
     "Node",
     "NodeMetrics",
 ]
@@ -40,6 +46,10 @@ AUTH_FAILURES = "kvtier_p2p_auth_failures"
 FRAMES_REJECTED = "kvtier_p2p_frames_rejected"
 INDEXED_KEYS = "kvtier_p2p_indexed_keys"
 SERVED_CHUNKS = "kvtier_p2p_served_chunks"
+ANNOUNCE_FRAMES = "kvtier_p2p_announce_frames"
+ANNOUNCE_KEYS = "kvtier_p2p_announce_keys"
+ANNOUNCE_BYTES = "kvtier_p2p_announce_bytes"
+INDEX_MEMORY = "kvtier_p2p_index_memory_bytes"
 
 
 class Direction(enum.Enum):
@@ -49,6 +59,24 @@ class Direction(enum.Enum):
     INBOUND = "inbound"
     #: This node reads from a peer.
     OUTBOUND = "outbound"
+
+
+class Flow(enum.Enum):
+    """Which way index traffic went (the ``flow`` label of the ANNOUNCE_* counters)."""
+
+    #: This node told its readers.
+    SENT = "sent"
+    #: A peer told this node.
+    RECEIVED = "received"
+
+
+class Change(enum.Enum):
+    """What an index frame says (the ``change`` label of the ANNOUNCE_* counters)."""
+
+    #: ANNOUNCE: the owner now holds the keys.
+    ANNOUNCE = "announce"
+    #: WITHDRAW: the owner no longer holds them.
+    WITHDRAW = "withdraw"
 
 
 class NodeMetrics:
@@ -69,8 +97,17 @@ class NodeMetrics:
     def connection_closed(self, direction: Direction) -> None:
         self._set_connections(direction, -1)
 
-    def indexed(self, keys: int) -> None:
+    def indexed(self, keys: int, memory_bytes: int) -> None:
         self._recorder.set(INDEXED_KEYS, keys, (self._tier,))
+        self._recorder.set(INDEX_MEMORY, memory_bytes, (self._tier,))
+
+    def index_traffic(self, flow: Flow, change: Change, keys: int, wire_bytes: int) -> None:
+        """One ANNOUNCE or WITHDRAW frame of ``keys`` keys, ``wire_bytes`` long with its
+        header, went ``flow``."""
+        labels = (self._tier, flow.value, change.value)
+        self._recorder.inc(ANNOUNCE_FRAMES, 1, labels)
+        self._recorder.inc(ANNOUNCE_KEYS, keys, labels)
+        self._recorder.inc(ANNOUNCE_BYTES, wire_bytes, labels)
 
     def _set_connections(self, direction: Direction, change: int) -> None:
         self._connections[direction] += change
@@ -108,7 +145,7 @@ class Node:
     max_frame_bytes: int
 
     def index_changed(self) -> None:
-        self.metrics.indexed(len(self.index))
+        self.metrics.indexed(len(self.index), self.index.memory_bytes())
 
     def integrity_failure(self, peer: str, problem: str) -> None:
         """A chunk from ``peer`` failed verification: counted and logged, never served."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -56,6 +57,9 @@ class PeerIndex(Generic[H]):
         self._lock = threading.Lock()
         self._holders: dict[OffloadKey, tuple[H, ...]] = {}
         self._keys: dict[H, set[OffloadKey]] = {}
+        # The objects the index alone keeps alive, beyond its dicts' and sets' own
+        # tables: each (holder, key) pair's key bytes and each key's holder tuple.
+        self._object_bytes = 0
 
     def __len__(self) -> int:
         """Keys some holder announced (including those of dead holders not yet dropped)."""
@@ -71,6 +75,19 @@ class PeerIndex(Generic[H]):
                     return True
         return False
 
+    def memory_bytes(self) -> int:
+        """An estimate of the memory the index holds (loop thread), from ``sys.getsizeof``.
+
+        The tables of the dict and sets are measured when asked (each is one call); the
+        key objects and holder tuples are added up as entries come and go. Not counted:
+        the holders themselves (links, each a few hundred bytes), and a key object the
+        dict keeps when the holder that first announced it withdrew it but another still
+        holds it (the other holder's copy is counted in its place).
+        """
+        tables = sys.getsizeof(self._holders) + sys.getsizeof(self._keys)
+        tables += sum(sys.getsizeof(keys) for keys in list(self._keys.values()))
+        return tables + self._object_bytes
+
     def pick(self, key: OffloadKey) -> H | None:
         """The live holder of ``key`` with the fewest requests in flight (loop thread)."""
         best: H | None = None
@@ -84,12 +101,21 @@ class PeerIndex(Generic[H]):
         with self._lock:
             holders_of = self._holders
             known = self._keys.setdefault(holder, set())
+            size = sys.getsizeof
+            grown = 0
             for key in keys:
                 if key in known:
                     continue
                 known.add(key)
                 holders = holders_of.get(key)
-                holders_of[key] = (holder,) if holders is None else (*holders, holder)
+                added: tuple[H, ...]
+                if holders is None:
+                    holders_of[key] = added = (holder,)
+                else:
+                    holders_of[key] = added = (*holders, holder)
+                    grown -= size(holders)
+                grown += size(key) + size(added)
+            self._object_bytes += grown
 
     def remove(self, holder: H, keys: Sequence[OffloadKey]) -> None:
         """``holder`` withdrew ``keys`` (or no longer has them)."""
@@ -100,6 +126,7 @@ class PeerIndex(Generic[H]):
             for key in keys:
                 if key in known:
                     known.discard(key)
+                    self._object_bytes -= sys.getsizeof(key)
                     self._discard(key, holder)
 
     async def drop(self, holder: H) -> None:
@@ -111,15 +138,18 @@ class PeerIndex(Generic[H]):
                 await asyncio.sleep(0)
             with self._lock:
                 for key in keys[start : start + _DROP_SLICE]:
+                    self._object_bytes -= sys.getsizeof(key)
                     self._discard(key, holder)
 
     def _discard(self, key: OffloadKey, holder: H) -> None:
         holders = self._holders.get(key)
         if holders is None:
             return
+        self._object_bytes -= sys.getsizeof(holders)
         rest = tuple(other for other in holders if other is not holder)
         if rest:
             self._holders[key] = rest
+            self._object_bytes += sys.getsizeof(rest)
         else:
             del self._holders[key]
 

@@ -22,7 +22,15 @@ from kvtier.keys import OffloadKey
 from kvtier.resources import TaskSet
 from kvtier.tiers.kit import describe_error
 from kvtier.tiers.p2p.channel import Channel, Listener
-from kvtier.tiers.p2p.context import AUTH_FAILURES, FRAMES_REJECTED, SERVED_CHUNKS, Direction, Node
+from kvtier.tiers.p2p.context import (
+    AUTH_FAILURES,
+    FRAMES_REJECTED,
+    SERVED_CHUNKS,
+    Change,
+    Direction,
+    Flow,
+    Node,
+)
 from kvtier.tiers.p2p.errors import AuthError, LinkError, ProtocolError, SelfConnection
 from kvtier.tiers.p2p.index import Outbox
 from kvtier.tiers.p2p.wire import (
@@ -129,10 +137,14 @@ class Session:
     async def _send_index_changes(self) -> None:
         node = self.node
         for present, keys in node.announcer.take(self._outbox):
-            kind = Kind.ANNOUNCE if present else Kind.WITHDRAW
+            kind, change = (
+                (Kind.ANNOUNCE, Change.ANNOUNCE) if present else (Kind.WITHDRAW, Change.WITHDRAW)
+            )
             for batch in key_batches(keys, CONTROL_BATCH_BYTES):
+                body = encode_key_list(batch)
                 with anyio.fail_after(node.io_timeout_s):
-                    await send_frame(self.channel, kind, encode_key_list(batch))
+                    await send_frame(self.channel, kind, body)
+                node.metrics.index_traffic(Flow.SENT, change, len(batch), FRAME.size + len(body))
 
     async def _serve(self, request_id: int, keys: list[OffloadKey], prefix: memoryview) -> None:
         """Send each key's chunk (or MISSING), the rows pinned until the last byte is out.

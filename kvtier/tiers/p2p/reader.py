@@ -21,7 +21,14 @@ from kvtier.format import HEADER_BYTES
 from kvtier.keys import OffloadKey
 from kvtier.tiers.kit import describe_error
 from kvtier.tiers.p2p.channel import Channel, Transport, format_address
-from kvtier.tiers.p2p.context import AUTH_FAILURES, FRAMES_REJECTED, Direction, Node
+from kvtier.tiers.p2p.context import (
+    AUTH_FAILURES,
+    FRAMES_REJECTED,
+    Change,
+    Direction,
+    Flow,
+    Node,
+)
 from kvtier.tiers.p2p.errors import (
     AuthError,
     LinkError,
@@ -210,9 +217,14 @@ class Link:
                     keys = decode_key_list(body)
                     if kind is Kind.ANNOUNCE:
                         node.index.add(self, keys)
+                        change = Change.ANNOUNCE
                     else:
                         node.index.remove(self, keys)
+                        change = Change.WITHDRAW
                     node.index_changed()
+                    node.metrics.index_traffic(
+                        Flow.RECEIVED, change, len(keys), FRAME.size + length
+                    )
                 else:
                     raise ProtocolError(f"unexpected {kind.name} frame from an owner")
             self.last_rx = loop.time()

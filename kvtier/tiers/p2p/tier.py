@@ -26,9 +26,13 @@ from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.kit import EventLog, ThrottledLog
 from kvtier.tiers.p2p.channel import Listener, Transport, format_address
 from kvtier.tiers.p2p.context import (
+    ANNOUNCE_BYTES,
+    ANNOUNCE_FRAMES,
+    ANNOUNCE_KEYS,
     AUTH_FAILURES,
     CONNECTIONS,
     FRAMES_REJECTED,
+    INDEX_MEMORY,
     INDEXED_KEYS,
     SERVED_CHUNKS,
     Node,
@@ -48,6 +52,7 @@ logger = logging.getLogger(__name__)
 # Listen for a few times as many connections as may be served at once: a burst of
 # redials after a restart waits in the backlog instead of being refused.
 _BACKLOG_PER_INBOUND = 4
+_INDEX_TRAFFIC_LABELS = ("tier", "flow", "change")
 
 
 class PeerTier(SecondaryTier):
@@ -117,6 +122,25 @@ class PeerTier(SecondaryTier):
             ),
             INDEXED_KEYS: GaugeDef("Keys some peer announced to this node, by tier.", ("tier",)),
             SERVED_CHUNKS: CounterDef("Chunks this node sent to peers, by tier.", ("tier",)),
+            INDEX_MEMORY: GaugeDef(
+                "Estimated memory of the index of what peers announced to this node, in "
+                "bytes (its tables, key objects and holder tuples, by sys.getsizeof), by tier.",
+                ("tier",),
+            ),
+            ANNOUNCE_FRAMES: CounterDef(
+                "ANNOUNCE and WITHDRAW frames, by tier, flow (sent: this node told its "
+                "readers; received: a peer told this node) and change (announce, withdraw).",
+                _INDEX_TRAFFIC_LABELS,
+            ),
+            ANNOUNCE_KEYS: CounterDef(
+                "Keys announced or withdrawn in those frames, by tier, flow and change.",
+                _INDEX_TRAFFIC_LABELS,
+            ),
+            ANNOUNCE_BYTES: CounterDef(
+                "Bytes of those frames on the wire, headers included (before TLS), by "
+                "tier, flow and change.",
+                _INDEX_TRAFFIC_LABELS,
+            ),
         }
 
     # ------------------------------------------------------------ properties

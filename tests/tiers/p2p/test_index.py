@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
+import tracemalloc
 from dataclasses import dataclass
 
 import anyio
@@ -11,6 +14,7 @@ from helpers import keys
 
 from kvtier.tiers.p2p.errors import LinkError
 from kvtier.tiers.p2p.index import Announcer, Outbox, PeerIndex
+from kvtier.tiers.p2p.wire import decode_key_list, encode_key_list
 
 HANG_S = 10
 
@@ -91,6 +95,49 @@ async def test_dropping_a_peer_forgets_all_its_keys_and_keeps_the_others():
     assert all(index.pick(k) is stays for k in many[:3])
     index.add(gone, many[-1:])  # a holder dropped and heard from again starts afresh
     assert len(index) == 4
+
+
+def received(prefix: str, count: int) -> list:
+    """Keys as a link decodes them off the wire: objects of their own."""
+    return decode_key_list(encode_key_list(keys(prefix, count)))
+
+
+def test_the_index_memory_estimate_is_within_a_quarter_of_what_tracemalloc_sees():
+    index: PeerIndex[Peer] = PeerIndex()
+    a, b = Peer("a"), Peer("b")
+    empty = index.memory_bytes()
+    wire_a, wire_b = received("mem", 20_000), received("mem", 5_000)
+    # The key objects exist before the measurement begins: added to it by hand.
+    key_bytes = sum(sys.getsizeof(key) for key in (*wire_a, *wire_b))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index.add(a, wire_a)
+        index.add(b, wire_b)  # a quarter of the keys held by both
+        del wire_a, wire_b  # only the index keeps them now
+        gc.collect()
+        truth = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    truth += key_bytes
+    estimate = index.memory_bytes() - empty
+    assert 0.75 * truth <= estimate <= 1.25 * truth, (estimate, truth)
+
+
+@pytest.mark.anyio
+async def test_the_index_memory_estimate_gives_back_every_key_that_leaves():
+    index: PeerIndex[Peer] = PeerIndex()
+    a, b = Peer("a"), Peer("b")
+    wire_a, wire_b = received("gone", 300), received("gone", 100)
+    key_bytes = sum(sys.getsizeof(key) for key in (*wire_a, *wire_b))
+    index.add(a, wire_a)
+    index.add(b, wire_b)
+    full = index.memory_bytes()
+    index.remove(a, keys("gone", 300))
+    await index.drop(b)
+    # The tables keep the size they grew to, as dicts do; the keys and tuples are gone.
+    assert full - index.memory_bytes() >= key_bytes + 300 * sys.getsizeof((a,))
 
 
 # ----------------------------------------------------------------- announcer

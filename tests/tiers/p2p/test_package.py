@@ -50,10 +50,14 @@ def test_each_layer_imports_only_the_layers_below_it():
 
 def test_the_package_exports_the_tier_its_settings_transports_and_metric_names():
     assert set(p2p.__all__) == {
+        "ANNOUNCE_BYTES",
+        "ANNOUNCE_FRAMES",
+        "ANNOUNCE_KEYS",
         "AUTH_FAILURES",
         "CONNECTIONS",
         "FRAMES_REJECTED",
         "INDEXED_KEYS",
+        "INDEX_MEMORY",
         "SERVED_CHUNKS",
         "Channel",
         "Listener",

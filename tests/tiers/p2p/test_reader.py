@@ -14,7 +14,16 @@ from p2p_memory import CHUNK, HANG_S, NAMESPACE, SECRET, MemoryNode, until
 
 from kvtier._secrets import Secret
 from kvtier.format import HEADER_BYTES, ChunkFormat
-from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, SERVED_CHUNKS, MemoryTransport
+from kvtier.tiers.p2p import (
+    ANNOUNCE_BYTES,
+    ANNOUNCE_FRAMES,
+    ANNOUNCE_KEYS,
+    AUTH_FAILURES,
+    FRAMES_REJECTED,
+    INDEX_MEMORY,
+    SERVED_CHUNKS,
+    MemoryTransport,
+)
 from kvtier.tiers.p2p.channel import Channel, Listener
 from kvtier.tiers.p2p.context import INDEXED_KEYS
 from kvtier.tiers.p2p.handshake import Credentials
@@ -58,6 +67,38 @@ async def test_a_key_evicted_by_the_owner_leaves_the_readers_index():
         owner.tier.on_primary_removed(ks[:1])
         await until(lambda: not reader.tier.contains(ks[0]))
         assert reader.tier.contains(ks[1])
+
+
+def traffic(node: MemoryNode, name: str, flow: str, change: str) -> float:
+    labels = {"tier": node.ctx.tier_name, "flow": flow, "change": change}
+    return node.metrics.sample(f"{name}_total", labels) or 0.0
+
+
+async def test_announce_traffic_is_counted_alike_by_the_owner_that_sent_it_and_the_reader():
+    transport = MemoryTransport()
+    owner, reader = pair(transport)
+    async with owner, reader:
+        await until(lambda: reader.tier.connected_peers == [owner.address])
+        ks = keys("traffic", 3)
+        await owner.put(ks, [0, 1, 2])
+        await until(lambda: all(reader.tier.contains(k) for k in ks))
+        owner.tier.on_primary_removed(ks[:1])
+        await until(lambda: not reader.tier.contains(ks[0]))
+        # A frame header, a key count, and a length before each key.
+        announced = 12 + 4 + sum(2 + len(k) for k in ks)
+        withdrawn = 12 + 4 + 2 + len(ks[0])
+        for node, flow in ((owner, "sent"), (reader, "received")):
+            assert traffic(node, ANNOUNCE_FRAMES, flow, "announce") == 1
+            assert traffic(node, ANNOUNCE_KEYS, flow, "announce") == 3
+            assert traffic(node, ANNOUNCE_BYTES, flow, "announce") == announced
+            assert traffic(node, ANNOUNCE_FRAMES, flow, "withdraw") == 1
+            assert traffic(node, ANNOUNCE_KEYS, flow, "withdraw") == 1
+            assert traffic(node, ANNOUNCE_BYTES, flow, "withdraw") == withdrawn
+        assert traffic(owner, ANNOUNCE_FRAMES, "received", "announce") == 0
+        assert traffic(reader, ANNOUNCE_FRAMES, "sent", "announce") == 0
+        memory = reader.metrics.sample(INDEX_MEMORY, {"tier": "reader"})
+        assert memory is not None and memory >= 2 * (33 + len(ks[1]))  # two keys at least
+        assert owner.metrics.sample(INDEX_MEMORY, {"tier": "owner"}) is None  # reads nobody
 
 
 async def test_a_key_the_owner_no_longer_holds_is_a_miss_and_leaves_the_index():

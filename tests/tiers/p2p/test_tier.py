@@ -39,7 +39,15 @@ from kvtier import ConfigError, KVTier, OffloadingSpecFactory, ReqContext
 from kvtier._secrets import Secret
 from kvtier.format import HEADER_BYTES, ChunkFormat
 from kvtier.metrics import Names
-from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, PeerTier
+from kvtier.tiers.p2p import (
+    ANNOUNCE_BYTES,
+    ANNOUNCE_FRAMES,
+    ANNOUNCE_KEYS,
+    AUTH_FAILURES,
+    FRAMES_REJECTED,
+    INDEX_MEMORY,
+    PeerTier,
+)
 from kvtier.tiers.p2p.handshake import encode_hello
 from kvtier.tiers.p2p.wire import FRAME, Kind, encode_fetch
 
@@ -558,5 +566,7 @@ async def test_the_secret_never_appears_in_logs_reprs_or_metrics(engine_id, capl
 
 def test_the_tier_declares_its_metrics_with_a_tier_label():
     definitions = PeerTier.build_metric_definitions({})
-    for name in (AUTH_FAILURES, FRAMES_REJECTED):
+    for name in (AUTH_FAILURES, FRAMES_REJECTED, INDEX_MEMORY):
         assert definitions[name].labelnames == ("tier",)
+    for name in (ANNOUNCE_FRAMES, ANNOUNCE_KEYS, ANNOUNCE_BYTES):
+        assert definitions[name].labelnames == ("tier", "flow", "change")
