@@ -202,7 +202,9 @@ class RedisServer:
             wait_listening(self.port, START_TIMEOUT_S, lambda: self.running)
         except RuntimeError:
             said = log.read_text(errors="replace").strip() if log.exists() else ""
-            raise RuntimeError(f"redis-server on port {self.port} exited while starting: {said}")
+            raise RuntimeError(
+                f"redis-server on port {self.port} exited while starting: {said}"
+            ) from None
 
     async def kill(self) -> None:
         """Kill the server (SIGKILL) as a crash would: its values are gone with it."""
