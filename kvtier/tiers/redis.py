@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import re
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,9 @@ _SCHEMES = ("redis", "rediss")
 _DEFAULT_PORT = 6379
 # Redis's own limit on one value (proto-max-bulk-len, 512 MiB by default).
 DEFAULT_MAX_VALUE_BYTES = 512 * MIB
+# A pipeline of 32 chunks of 2 MiB: one round trip moves a lot, and a job of many
+# such chunks holds at most max_connections times this in copies while they travel.
+DEFAULT_PIPELINE_BYTES = 64 * MIB
 # Pipelines in flight per tier, each on its own connection (per node of a cluster).
 # A server answers from memory in microseconds: a few connections keep a LAN link
 # busy, and Redis serves them from one thread anyway.
@@ -141,12 +144,19 @@ class RedisSettings:
     tls_cert_file: Path | None = None
     #: The private key of ``tls_cert_file`` (PEM); required exactly with it.
     tls_key_file: Path | None = None
+    #: The most value bytes one pipeline carries (64 MiB): a bigger job is cut into
+    #: pipelines of at most this much, sent on connections of their own at once, so
+    #: that the copies a job holds while they travel stay bounded.
+    pipeline_bytes: int = DEFAULT_PIPELINE_BYTES
     #: Seconds a job's requests may take together before the job fails. None (the
     #: default): two thirds of the tier's ``job_timeout_s``; it must stay below it.
     job_deadline_s: float | None = None
     #: The size of a chunk's value (header + primary row). Not a parameter: derived
     #: from the engine's chunk size.
     value_bytes: int | None = derived_field()
+    #: Chunks per pipeline of a store or a load (at least one). Not a parameter:
+    #: derived from ``pipeline_bytes`` and the chunk size.
+    pipeline_chunks: int | None = derived_field()
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], path: str) -> RedisSettings:
@@ -188,6 +198,9 @@ class RedisSettings:
             tls_ca_file=tls[0],
             tls_cert_file=tls[1],
             tls_key_file=tls[2],
+            pipeline_bytes=reader.integer(
+                "pipeline_bytes", DEFAULT_PIPELINE_BYTES, minimum=HEADER_BYTES + 1
+            ),
             job_deadline_s=reader.number("job_deadline_s", None, minimum=0, exclusive_minimum=True),
         )
         reader.reject_unknown()
@@ -209,7 +222,12 @@ class RedisSettings:
                 "max_value_bytes to match, or use smaller chunks (block_size)",
             )
         deadline = job_deadline_s(job_timeout_s, self.job_deadline_s, f"{path}.job_deadline_s")
-        return replace(self, value_bytes=value_bytes, job_deadline_s=deadline)
+        return replace(
+            self,
+            value_bytes=value_bytes,
+            pipeline_chunks=max(1, self.pipeline_bytes // value_bytes),
+            job_deadline_s=deadline,
+        )
 
 
 _TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
@@ -269,8 +287,10 @@ class RedisTier(SecondaryTier):
         super().__init__(ctx)
         # Filled in by effective_settings, from which the framework builds the tier.
         assert settings.value_bytes is not None and settings.job_deadline_s is not None
+        assert settings.pipeline_chunks is not None
         self.settings = settings
         self._deadline_s: float = settings.job_deadline_s
+        self._pipeline_chunks: int = settings.pipeline_chunks
         self._format = ChunkFormat(ctx.namespace)
         self._prefix = namespace_directory(ctx.model_name, self._format)
         # redis-py's pools refuse (rather than wait for) a connection past their size:
@@ -385,49 +405,86 @@ class RedisTier(SecondaryTier):
     async def store(self, job: TransferJob) -> JobResult:
         view = self.ctx.primary_view
         ttl = self.settings.ttl_s
+        stored: list[OffloadKey] = []
+        skipped = 0
 
-        def queue(pipe: Pipeline | ClusterPipeline) -> None:
-            for key, chunk_id in zip(job.keys, job.chunk_ids, strict=True):
-                row = view[chunk_id]
-                # xxh3 of a 2 MiB row takes ~0.1 ms: on the loop, with the send after it.
-                header = self._format.header(key, row)
-                # One bytes object per value: the transport may still hold what it has
-                # not written when the job ends, and the slot is not the job's then.
-                value = b"".join((header, row))
-                pipe.set(self.value_name(key), value, nx=True, ex=ttl)
+        async def store_part(part: Sequence[tuple[OffloadKey, int]]) -> None:
+            nonlocal skipped
 
-        answers = await self._pipeline(queue)
-        stored = [key for key, answer in zip(job.keys, answers, strict=True) if answer]
-        self._events.add(stored, self.medium, False, self.ctx.tier_name)
-        skipped = len(job.keys) - len(stored)  # SET NX keeps a value already there
-        self.ctx.metrics.inc(STORES_SKIPPED, skipped, (self.ctx.tier_name,))
+            def queue(pipe: Pipeline | ClusterPipeline) -> None:
+                for key, chunk_id in part:
+                    row = view[chunk_id]
+                    # xxh3 of a 2 MiB row takes ~0.1 ms: on the loop, with the send after.
+                    header = self._format.header(key, row)
+                    # One bytes object per value: the transport may still hold what it
+                    # has not written when the job ends, and the slot is not the job's then.
+                    value = b"".join((header, row))
+                    pipe.set(self.value_name(key), value, nx=True, ex=ttl)
+
+            answers = await self._pipeline(queue, deadline=False)
+            for (key, _), answer in zip(part, answers, strict=True):
+                if answer:
+                    stored.append(key)
+                else:
+                    skipped += 1  # SET NX keeps a value already there
+
+        try:
+            await self._in_parts(job, store_part)
+        finally:
+            # Whatever was stored is there, even if the job was cut short.
+            self._events.add(stored, self.medium, False, self.ctx.tier_name)
+            self.ctx.metrics.inc(STORES_SKIPPED, skipped, (self.ctx.tier_name,))
         return JobResult(job.job_id, True, transfer_bytes=len(stored) * self.ctx.chunk_bytes)
 
     async def load(self, job: TransferJob) -> JobResult:
         view = self.ctx.primary_view
         problems: dict[OffloadKey, str | None] = {}
-        with anyio.fail_after(self._deadline_s):
+
+        async def load_part(part: Sequence[tuple[OffloadKey, int]]) -> None:
             values = await self._pipeline(
-                lambda pipe: [pipe.get(self.value_name(key)) for key in job.keys], deadline=False
+                lambda pipe: [pipe.get(self.value_name(key)) for key, _ in part], deadline=False
             )
-            for key, chunk_id, value in zip(job.keys, job.chunk_ids, values, strict=True):
-                row = view[chunk_id]
+            for (key, chunk_id), value in zip(part, values, strict=True):
                 if value is None:
                     problems[key] = None  # not there (any more): a miss, nothing wrong
-                elif len(value) != HEADER_BYTES + len(row):
-                    short = len(value) < HEADER_BYTES + len(row)
-                    problems[key] = "truncated value" if short else "oversize value"
-                else:
-                    data = memoryview(value)
-                    row[:] = data[HEADER_BYTES:]
-                    # The bytes in the slot are served only once they match the header.
-                    problem = self._format.verify(data[:HEADER_BYTES], key, row)
-                    if problem is not None:
-                        problems[key] = problem
+                    continue
+                problem = self._fill(view[chunk_id], key, value)
+                if problem is not None:
+                    problems[key] = problem
+
+        with anyio.fail_after(self._deadline_s):
+            await self._in_parts(job, load_part)
             corrupt = {key: problem for key, problem in problems.items() if problem is not None}
             await self._corrupt.discard(corrupt, f"promotion job {job.job_id}", self._delete)
         loaded = [key for key in job.keys if key not in problems]
         return JobResult(job.job_id, not problems, successful_keys=loaded)
+
+    def _fill(self, row: memoryview, key: OffloadKey, value: bytes) -> str | None:
+        """Copy ``value``, ``key``'s chunk as the server held it, into ``row``; what is
+        wrong with it, or None once its bytes in ``row`` are verified."""
+        if len(value) != HEADER_BYTES + len(row):
+            return "truncated value" if len(value) < HEADER_BYTES + len(row) else "oversize value"
+        data = memoryview(value)
+        row[:] = data[HEADER_BYTES:]
+        # The bytes in the slot are served only once they match the header.
+        return self._format.verify(data[:HEADER_BYTES], key, row)
+
+    async def _in_parts(
+        self,
+        job: TransferJob,
+        run: Callable[[Sequence[tuple[OffloadKey, int]]], Coroutine[Any, Any, None]],
+    ) -> None:
+        """``run`` each part of ``job`` (its keys and slots, ``pipeline_chunks`` at a
+        time), the parts at once, all within the job's deadline."""
+        pairs = list(zip(job.keys, job.chunk_ids, strict=True))
+        size = self._pipeline_chunks
+        with anyio.fail_after(self._deadline_s):
+            if len(pairs) <= size:
+                await run(pairs)
+                return
+            async with anyio.create_task_group() as group:
+                for start in range(0, len(pairs), size):
+                    group.start_soon(run, pairs[start : start + size])
 
     async def clear(self) -> bool:
         client = self._connected()

@@ -162,6 +162,15 @@ def test_the_value_size_and_the_deadline_are_derived_once_from_the_engine():
     assert settings.job_deadline_s == pytest.approx(8.0)  # two thirds of job_timeout_s
 
 
+def test_a_pipeline_carries_at_least_one_chunk():
+    ctx = context()
+    assert (
+        RedisTier.settings_for(ctx, {"pipeline_bytes": 3 * (HEADER_BYTES + CHUNK)}).pipeline_chunks
+        == 3
+    )
+    assert RedisTier.settings_for(ctx, {"pipeline_bytes": HEADER_BYTES + 1}).pipeline_chunks == 1
+
+
 def test_a_chunk_bigger_than_the_servers_values_says_what_to_raise():
     ctx = TierContext(None, 4 << 20, "ns", "1:redis")  # type: ignore[arg-type]
     with pytest.raises(
@@ -202,8 +211,10 @@ def test_plan_shows_every_effective_value_and_no_password(tmp_path, capsys):
         "tls_ca_file": None,
         "tls_cert_file": None,
         "tls_key_file": None,
+        "pipeline_bytes": 64 << 20,
         "job_deadline_s": pytest.approx(20.0),
         "value_bytes": HEADER_BYTES + 131072,
+        "pipeline_chunks": (64 << 20) // (HEADER_BYTES + 131072),
     }
 
 
@@ -284,6 +295,24 @@ async def test_a_tier_with_the_password_from_its_file_stores_and_loads_byte_exac
 
 
 # ------------------------------------------------------------------ values
+
+
+async def test_a_job_bigger_than_a_pipeline_goes_in_parts_and_comes_back_byte_exact():
+    async with RedisServer() as server:
+        ctx = context(chunks=10)
+        redis = tier(ctx, url=server.url, pipeline_bytes=2 * (HEADER_BYTES + CHUNK))
+        await redis.start()
+        try:
+            ks = keys("parts", 5)
+            for slot in range(5):
+                ctx.primary_view[slot][:] = bytes([slot + 1]) * CHUNK
+            assert (await redis.store(job(1, ks, [0, 1, 2, 3, 4], promotion=False))).success
+            result = await redis.load(job(2, ks, [9, 8, 7, 6, 5], promotion=True))
+            assert result.success and list(result.successful_keys or ()) == ks
+            for slot in range(5):
+                assert bytes(ctx.primary_view[9 - slot]) == bytes([slot + 1]) * CHUNK
+        finally:
+            await redis.aclose()
 
 
 async def test_a_value_the_server_already_holds_is_kept_and_counted_as_skipped():
