@@ -206,6 +206,17 @@ class RedisServer:
                 f"redis-server on port {self.port} exited while starting: {said}"
             ) from None
 
+    def pause(self) -> None:
+        """Stop the server's process (SIGSTOP): it holds its connections and answers
+        nothing, as a server stuck or cut off does, until :meth:`resume`."""
+        assert self._process is not None, "the server is not running"
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused server run on (SIGCONT)."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGCONT)
+
     async def kill(self) -> None:
         """Kill the server (SIGKILL) as a crash would: its values are gone with it."""
         await self._end(signal.SIGKILL)
@@ -220,6 +231,7 @@ class RedisServer:
             return
         if process.poll() is None:
             process.send_signal(sig)
+            process.send_signal(signal.SIGCONT)  # a paused server acts on it too
             try:
                 await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -418,6 +419,34 @@ async def test_a_tier_used_before_start_or_after_close_fails_its_job():
 
 
 # ------------------------------------------------------- a server that dies
+
+
+async def test_a_server_that_stops_answering_fails_the_request_at_the_deadline_and_none_after():
+    async with RedisServer() as server:
+        ctx = context(job_timeout_s=1.5)
+        redis = tier(ctx, url=server.url)
+        deadline_s = redis.settings.job_deadline_s
+        await redis.start()
+        try:
+            [key] = keys("paused", 1)
+            ctx.primary_view[0][:] = bytes([3]) * CHUNK
+            await redis.store(job(1, [key], [0], promotion=False))
+            server.pause()
+            try:
+                started = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    await redis.lookup([key])
+                # Far above the deadline (1 s) for a loaded machine, far below a hang.
+                assert time.monotonic() - started < deadline_s + 5
+            finally:
+                server.resume()
+            # The connection of the request cut short is gone: the answers that reach
+            # the tier now are those of its own requests.
+            assert list(await redis.lookup([key, *keys("absent", 1)])) == [True, False]
+            assert (await redis.load(job(2, [key], [1], promotion=True))).success
+            assert bytes(ctx.primary_view[1]) == bytes([3]) * CHUNK
+        finally:
+            await redis.aclose()
 
 
 def failures(kv: KVTier, name: str) -> float:
