@@ -40,6 +40,7 @@ from botocore.exceptions import (
 from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
+from botocore.handlers import add_expect_header
 
 from kvtier import __version__
 from kvtier.errors import ConfigError, KVTierError
@@ -200,6 +201,15 @@ class S3Client(AsyncResource):
             config=self.aio_config(),
             **self.settings.credentials(),
         ) as client:
+            # botocore asks to "Expect: 100-continue" before every body it can read,
+            # and holds the body back until the server answers. SeaweedFS stores an
+            # empty object when a PUT's connection closes after its headers and before
+            # any body byte, so a job cut short in that wait (a deadline, a stalled
+            # server) would leave one under the chunk's name, refusing the next
+            # conditional upload. Sent at once, a body cut short leaves nothing, and
+            # an upload saves a round trip; a refused one sends its body for nothing,
+            # which the lookup cache keeps rare.
+            client.meta.events.unregister("before-call.s3", add_expect_header)
             yield client
 
     def _prepared_session(self) -> AioSession:
