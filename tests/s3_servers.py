@@ -3,6 +3,9 @@
 - :class:`MotoServer`: moto's threaded server (in this process), for contract tests;
 - :class:`RcloneS3Server`: ``rclone serve s3`` over a local directory (a real server
   binary in its own process), for integration and outage tests;
+- :class:`SeaweedS3Server`: SeaweedFS's S3 gateway over its own master, volume server
+  and filer (the S3 server of SGLang's and LMCache's SeaweedFS backends), for the
+  contract, integration and outage tests;
 - :class:`ChaosProxy`: a TCP proxy in front of either that answers 503 SlowDown or
   stops answering on demand, to exercise retries and time-outs against real traffic.
 """
@@ -11,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Protocol
 
 from aiobotocore.config import AioConfig
 from loopback import LoopbackServer
@@ -23,10 +27,12 @@ from kvtier.bench.servers import (
     SECRET_KEY,
     START_TIMEOUT_S,
     RcloneS3Server,
+    SeaweedS3Server,
     free_port,
     rclone_binary,
     s3_client,
     wait_listening,
+    weed_binary,
 )
 
 __all__ = [
@@ -36,12 +42,25 @@ __all__ = [
     "ChaosProxy",
     "MotoServer",
     "RcloneS3Server",
+    "S3Server",
+    "SeaweedS3Server",
     "free_port",
+    "fresh_bucket",
     "put_object",
     "raw_client",
     "rclone_binary",
     "read_object",
+    "weed_binary",
 ]
+
+
+class S3Server(Protocol):
+    """What the tests use of a server: where it listens."""
+
+    port: int
+
+    @property
+    def endpoint(self) -> str: ...
 
 
 class MotoServer:
@@ -63,6 +82,35 @@ class MotoServer:
 
     def stop(self) -> None:
         self._server.stop()
+
+
+@contextlib.contextmanager
+def fresh_bucket(endpoint: str) -> Iterator[str]:
+    """A new, empty bucket on the server at ``endpoint``, deleted with its objects after.
+
+    Deleting matters on SeaweedFS, where each bucket holds volumes of its own.
+    """
+    import boto3
+
+    name = f"kvtier-{uuid.uuid4().hex[:12]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+    )
+    try:
+        client.create_bucket(Bucket=name)
+        yield name
+        # Best effort: a test may have left the server down.
+        with contextlib.suppress(Exception):
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+                for item in page.get("Contents", ()):
+                    client.delete_object(Bucket=name, Key=item["Key"])
+            client.delete_bucket(Bucket=name)
+    finally:
+        client.close()
 
 
 @contextlib.asynccontextmanager

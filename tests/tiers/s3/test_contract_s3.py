@@ -1,5 +1,6 @@
 """The tier contract, run against the s3 tier: two engines sharing one bucket of a
-real S3 server (moto) on loopback, both talking to it through a holding proxy.
+real S3 server on loopback (moto; SeaweedFS), both talking to it through a holding
+proxy.
 
 A stalled load is a GET whose answer the proxy holds back; a stalled store a PUT whose
 answer it holds back (the object itself reaches the server).
@@ -8,13 +9,22 @@ answer it holds back (the object itself reaches the server).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import pytest
 from helpers import damaged
 from holding_proxy import HoldingProxy
-from s3_servers import ACCESS_KEY, SECRET_KEY, MotoServer, put_object, read_object
+from s3_servers import (
+    ACCESS_KEY,
+    SECRET_KEY,
+    MotoServer,
+    S3Server,
+    SeaweedS3Server,
+    fresh_bucket,
+    put_object,
+    read_object,
+)
 
 from kvtier import KVTier
 from kvtier.format import HEADER_BYTES
@@ -34,14 +44,16 @@ class TestS3Contract(TierContract):
     # timeout, and a cancelled request reads nothing more into its slot.
     stops_io_when_cancelled = True
 
+    server: S3Server
+
     @pytest.fixture(autouse=True)
     def _server(self, moto: MotoServer, bucket: str) -> None:
-        self.moto = moto
+        self.server = moto
         self.bucket = bucket
 
     async def tier_config(self) -> Mapping[str, Any]:
         self.proxy = await self.resources.enter_async_context(
-            HoldingProxy(("127.0.0.1", self.moto.port), http=True)
+            HoldingProxy(("127.0.0.1", self.server.port), http=True)
         )
         self.tier = {
             "type": "s3",
@@ -57,9 +69,9 @@ class TestS3Contract(TierContract):
 
     async def _rewrite(self, writer: KVTier, key: OffloadKey, how: str) -> None:
         name = s3_tier(writer).object_key(key)
-        data = await read_object(self.moto.endpoint, self.bucket, name)
+        data = await read_object(self.server.endpoint, self.bucket, name)
         assert data is not None
-        await put_object(self.moto.endpoint, self.bucket, name, damaged(data, how))
+        await put_object(self.server.endpoint, self.bucket, name, damaged(data, how))
 
     async def corrupt(self, writer: KVTier, key: OffloadKey) -> None:
         await self._rewrite(writer, key, "flip_payload")
@@ -69,7 +81,7 @@ class TestS3Contract(TierContract):
 
     async def stored_chunk(self, writer: KVTier, key: OffloadKey) -> bytes | None:
         name = s3_tier(writer).object_key(key)
-        data = await read_object(self.moto.endpoint, self.bucket, name)
+        data = await read_object(self.server.endpoint, self.bucket, name)
         return None if data is None else data[HEADER_BYTES:]
 
     @contextlib.asynccontextmanager
@@ -81,3 +93,15 @@ class TestS3Contract(TierContract):
     async def stall_stores(self, node: KVTier) -> AsyncIterator[Stall]:
         with self.proxy.hold_next("PUT") as stall:
             yield stall
+
+
+@pytest.mark.slow
+class TestS3ContractSeaweedFS(TestS3Contract):
+    """The same contract against SeaweedFS, a real S3 server binary."""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, seaweed: SeaweedS3Server) -> Iterator[None]:
+        self.server = seaweed
+        with fresh_bucket(seaweed.endpoint) as bucket:
+            self.bucket = bucket
+            yield
