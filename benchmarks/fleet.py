@@ -83,11 +83,13 @@ P2P_ANNOUNCE_BYTES = "kvtier_p2p_announce_bytes_total"
 @dataclass(frozen=True)
 class FleetSettings:
     chunk_bytes: int = 256 * KIB
-    primary_bytes: int = 32 * MIB
+    # 64 slots: every engine's primary tier fills up at every fleet size, so a p2p
+    # engine announces (and its peers index) as many keys as it can hold.
+    primary_bytes: int = 16 * MIB
     prompts: int = 16
     prompt_chunks: int = 4
     suffix_chunks: int = 2
-    requests: int = 256
+    requests: int = 384
     in_flight: int = 2
     lookup_timeout_s: float = 10.0
     seed: int = 0
@@ -326,6 +328,8 @@ def summarize(
         "tier_bytes_read": sum(f["tier"]["bytes_read"] for f in finals),
         "tier_bytes_written": sum(f["tier"]["bytes_written"] for f in finals),
         "gbps": moved / wall_s / 1e9,
+        "gbps_in": sum(f["tier"]["bytes_written"] for f in finals) / wall_s / 1e9,
+        "gbps_out": sum(f["tier"]["bytes_read"] for f in finals) / wall_s / 1e9,
         "wall_s": wall_s,
         "wait_p50_ms": percentile(waits, 0.5) * 1e3,
         "wait_p99_ms": percentile(waits, 0.99) * 1e3,
@@ -462,7 +466,7 @@ def report(results: Sequence[Mapping[str, Any]], settings: FleetSettings) -> Non
         "tier",
         "engines",
         "cross-engine hit rate",
-        "GB/s",
+        "GB/s in / out",
         "wait ms p50 / p99",
         "CPU s / GiB",
         "TCP conns / engine",
@@ -485,7 +489,7 @@ def report(results: Sequence[Mapping[str, Any]], settings: FleetSettings) -> Non
             result["tier"],
             str(result["engines"]),
             "-" if rate is None else f"{rate:.1%}",
-            _num(result["gbps"], 3),
+            f"{_num(result['gbps_in'], 3)} / {_num(result['gbps_out'], 3)}",
             f"{_num(result['wait_p50_ms'], 1)} / {_num(result['wait_p99_ms'], 1)}",
             _num(result["cpu_s_per_gib"], 1),
             _num(_per_engine(result, "tcp_connections"), 1),
@@ -497,8 +501,10 @@ def report(results: Sequence[Mapping[str, Any]], settings: FleetSettings) -> Non
     console.print(table)
     console.print(
         "cross-engine hit rate: chunks another engine held (by an earlier wave) and the "
-        "requesting engine never had, found through the sharing tier. GB/s: into and "
-        "out of the sharing tier, all engines, over the run. CPU: engines + server.",
+        "requesting engine never had, found through the sharing tier. GB/s: cascaded "
+        "into the sharing tier / promoted out of it, all engines, over the run. CPU: "
+        "engines + server, per GiB in and out. announce B / request: p2p announce "
+        "traffic an engine sent and received, per request it served.",
         style="dim",
         highlight=False,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import resource
 import time
 import uuid
@@ -55,6 +56,10 @@ class EngineRun:
 
 def engine_main(index: int, conn: Connection) -> None:
     """The process body: obey ``conn`` until told to exit or the coordinator goes."""
+    # Mooncake's client logs every connection and lookup miss to stderr through glog
+    # (read from the environment when its library loads): sixteen engines' worth would
+    # bury the benchmark's output. The tier counts and reports its failures itself.
+    os.environ.setdefault("GLOG_minloglevel", "3")
     conn.send(("ok", "started"))
     with contextlib.suppress(EOFError, KeyboardInterrupt):
         asyncio.run(_EngineProcess(index, conn).serve())

