@@ -12,10 +12,12 @@ import os
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 import redis_procs
 import torch
 from helpers import damaged, keys, store_all, tiering_config
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis_server import RedisClusterServers, RedisServer, tls_files
 
 from kvtier import ConfigError, KVTier
@@ -542,6 +544,63 @@ async def test_a_cluster_spreads_the_chunks_over_its_masters_and_serves_them_byt
             for server in cluster.servers:
                 async with server.client() as client:
                     assert await client.dbsize() == 0
+
+
+@pytest.mark.slow
+async def test_a_cluster_master_killed_fails_jobs_quickly_and_the_rest_serve_once_it_is_back():
+    async with RedisClusterServers() as cluster:
+        ctx = context(chunks=16, job_timeout_s=3.0)
+        redis = tier(ctx, url=cluster.url, cluster=True)
+        deadline_s = redis.settings.job_deadline_s
+        await redis.start()
+        try:
+            ks = keys("master-down", 8)
+            for slot in range(8):
+                ctx.primary_view[slot][:] = bytes([slot + 1]) * CHUNK
+            assert (await redis.store(job(1, ks, list(range(8)), promotion=False))).success
+            victim = cluster.servers[1]
+            async with victim.client() as client:
+                lost = {name.decode() for name in await client.keys("*")}
+            assert 0 < len(lost) < len(ks), "the keys do not spread over the masters"
+            await victim.kill()
+            started = time.monotonic()
+            with pytest.raises(RedisConnectionError):
+                await redis.lookup(ks)
+            assert time.monotonic() - started < deadline_s + 5
+            # Back, empty, in its place in the cluster: its chunks are misses, the
+            # others' are served byte-exact.
+            await victim.start()
+            answers = await answered(redis, ks, CLUSTER_BACK_S)
+            assert answers == [redis.value_name(key) not in lost for key in ks]
+            kept = [i for i, present in enumerate(answers) if present]
+            result = await redis.load(
+                job(2, [ks[i] for i in kept], [8 + i for i in kept], promotion=True)
+            )
+            assert result.success
+            for i in kept:
+                assert bytes(ctx.primary_view[8 + i]) == bytes([i + 1]) * CHUNK
+        finally:
+            await redis.aclose()
+
+
+# A restarted master rejoins its cluster, which serves again, within seconds here.
+CLUSTER_BACK_S = 60.0
+
+
+async def answered(redis: RedisTier, ks: list[bytes], within_s: float) -> list[bool]:
+    """The tier's answers to a lookup of ``ks``, asked again until one comes."""
+    give_up = time.monotonic() + within_s
+    while (answers := await lookup_or_none(redis, ks)) is None:
+        assert time.monotonic() < give_up, f"no answer from the cluster in {within_s:g} s"
+        await anyio.sleep(0.2)
+    return answers
+
+
+async def lookup_or_none(redis: RedisTier, ks: list[bytes]) -> list[bool] | None:
+    try:
+        return list(await redis.lookup(ks))
+    except Exception:
+        return None
 
 
 async def test_a_rediss_url_stores_and_loads_over_tls_and_checks_the_certificate(tmp_path):
