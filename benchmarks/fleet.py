@@ -129,6 +129,11 @@ class RunError(Exception):
     """An engine could not do its part of a run (the run is reported as failed)."""
 
 
+class EngineSilent(Exception):
+    """An engine did not answer in time, or exited: its pipe can no longer be trusted
+    to pair commands with answers, so the sweep stops."""
+
+
 # -------------------------------------------------------------------- the fleet
 
 
@@ -163,7 +168,7 @@ class Fleet:
 
         Raises:
             RunError: an engine answered an error (every answer is read first).
-            TimeoutError: an engine did not answer in ``timeout`` seconds.
+            EngineSilent: an engine did not answer in ``timeout`` seconds, or exited.
         """
         for index, command in commands.items():
             if command is not None:
@@ -174,8 +179,12 @@ class Fleet:
         for index in commands:
             conn = self.conns[index]
             if not conn.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"engine {index} did not answer in {timeout:.0f} s")
-            status, value = conn.recv()
+                raise EngineSilent(f"engine {index} did not answer in {timeout:.0f} s")
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                code = self.processes[index].exitcode
+                raise EngineSilent(f"engine {index} exited (exit code {code})") from None
             if status == "ok":
                 answers[index] = value
             else:
@@ -279,9 +288,13 @@ def run_once(
             finals = fleet.ask({i: ("finish",) for i in ids})
             wall_s = time.perf_counter() - started
             server_cpu = store.server_cpu_s() - server_cpu
-        finally:
+        except EngineSilent:
+            raise
+        except BaseException:
             with contextlib.suppress(RunError):
                 fleet.ask({i: ("close",) for i in ids})
+            raise
+        fleet.ask({i: ("close",) for i in ids})
     return summarize(
         entry.name, engines, served, cross, [finals[i] for i in ids], wall_s, server_cpu
     )
@@ -447,57 +460,66 @@ def _per_engine(result: Mapping[str, Any], *names: str) -> Any:
     return None
 
 
+COLUMNS = (
+    "tier",
+    "engines",
+    "cross-engine hit rate",
+    "GB/s in / out",
+    "wait ms p50 / p99",
+    "CPU s / GiB",
+    "TCP conns / engine",
+    "index keys / engine",
+    "index KiB / engine",
+    "announce B / request",
+    "wrong",
+)
+
+
+def cells(result: Mapping[str, Any]) -> list[str]:
+    """One run's row of the table; a run that failed or was skipped says why."""
+    if "per_engine" not in result:
+        why = result.get("error") or result.get("skipped")
+        return [result["tier"], str(result["engines"]), f"{why}"]
+    rate = result["cross_engine_hit_rate"]
+    index_bytes = _per_engine(result, "index_bytes")
+    return [
+        result["tier"],
+        str(result["engines"]),
+        "-" if rate is None else f"{rate:.1%}",
+        f"{_num(result['gbps_in'], 3)} / {_num(result['gbps_out'], 3)}",
+        f"{_num(result['wait_p50_ms'], 1)} / {_num(result['wait_p99_ms'], 1)}",
+        _num(result["cpu_s_per_gib"], 1),
+        _num(_per_engine(result, "tcp_connections"), 1),
+        _num(_per_engine(result, "indexed_keys"), 0),
+        _num(None if index_bytes is None else index_bytes / KIB, 1),
+        _num(_per_engine(result, "announce_bytes_per_request"), 0),
+        str(result["wrong_chunks"]),
+    ]
+
+
+def title(settings: FleetSettings) -> str:
+    return (
+        f"fleet: {settings.requests} requests, {settings.prompts} system prompts of "
+        f"{settings.prompt_chunks} chunks + {settings.suffix_chunks} own, "
+        f"{settings.chunk_bytes // KIB} KiB chunks, primary "
+        f"{settings.primary_bytes // MIB} MiB per engine"
+    )
+
+
 def report(results: Sequence[Mapping[str, Any]], settings: FleetSettings) -> None:
     from rich.console import Console
     from rich.table import Table
 
     # Eleven columns: wider than a terminal's default 80 when stdout is a file.
     console = Console(width=None if sys.stdout.isatty() else 180)
-    table = Table(
-        title=(
-            f"fleet: {settings.requests} requests, {settings.prompts} system prompts of "
-            f"{settings.prompt_chunks} chunks + {settings.suffix_chunks} own, "
-            f"{settings.chunk_bytes // KIB} KiB chunks, primary "
-            f"{settings.primary_bytes // MIB} MiB per engine"
-        ),
-        title_justify="left",
-    )
-    columns = (
-        "tier",
-        "engines",
-        "cross-engine hit rate",
-        "GB/s in / out",
-        "wait ms p50 / p99",
-        "CPU s / GiB",
-        "TCP conns / engine",
-        "index keys / engine",
-        "index KiB / engine",
-        "announce B / request",
-        "wrong",
-    )
-    for column in columns:
+    table = Table(title=title(settings), title_justify="left")
+    for column in COLUMNS:
         table.add_column(column, justify="left" if column == "tier" else "right")
     for result in results:
-        if "per_engine" not in result:
-            why = result.get("error") or result.get("skipped")
-            table.add_row(result["tier"], str(result["engines"]), f"[dim]{why}[/]")
-            continue
-        rate = result["cross_engine_hit_rate"]
-        index_bytes = _per_engine(result, "index_bytes")
-        announce = _per_engine(result, "announce_bytes_per_request")
-        table.add_row(
-            result["tier"],
-            str(result["engines"]),
-            "-" if rate is None else f"{rate:.1%}",
-            f"{_num(result['gbps_in'], 3)} / {_num(result['gbps_out'], 3)}",
-            f"{_num(result['wait_p50_ms'], 1)} / {_num(result['wait_p99_ms'], 1)}",
-            _num(result["cpu_s_per_gib"], 1),
-            _num(_per_engine(result, "tcp_connections"), 1),
-            _num(_per_engine(result, "indexed_keys"), 0),
-            _num(None if index_bytes is None else index_bytes / KIB, 1),
-            _num(announce, 0),
-            str(result["wrong_chunks"]),
-        )
+        row = cells(result)
+        if len(row) < len(COLUMNS):
+            row[-1] = f"[dim]{row[-1]}[/]"
+        table.add_row(*row)
     console.print(table)
     console.print(
         "cross-engine hit rate: chunks another engine held (by an earlier wave) and the "
@@ -508,6 +530,16 @@ def report(results: Sequence[Mapping[str, Any]], settings: FleetSettings) -> Non
         style="dim",
         highlight=False,
     )
+
+
+def markdown(results: Sequence[Mapping[str, Any]]) -> str:
+    """The table as BENCHMARKS.md records it."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for result in results:
+        row = cells(result)
+        row += [""] * (len(COLUMNS) - len(row))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------- main
@@ -529,6 +561,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=FleetSettings.seed)
     parser.add_argument("--root", type=Path, default=None, help="where the runs' files go")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="write the table here, as a Markdown table"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     args = parser.parse_args(argv)
     try:
@@ -575,6 +610,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     document = {"settings": asdict(settings), "machine": machine(), "runs": results}
     if args.json is not None:
         args.json.write_text(json.dumps(document, indent=1))
+    if args.markdown is not None:
+        args.markdown.write_text(markdown(results))
     print(json.dumps(document))
 
 

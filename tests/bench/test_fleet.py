@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fleet import QUICK, CrossEngine, FleetRequest, build_requests, run_sweep
+from fleet import QUICK, CrossEngine, FleetRequest, build_requests, parse_args, run_sweep
 
 from kvtier.bench.workloads import chain_keys
 
@@ -46,6 +46,21 @@ def test_a_chunk_another_engine_held_in_an_earlier_wave_is_eligible_once():
     cross.count([FleetRequest("d", 0, (1, 2))], {"d": 0})
     assert cross.eligible == 2
     assert cross.held[chain_keys((1, 2))[1]] == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engines", "2,x"], "--engines: expected comma-separated integers"),
+        (["--engines", "1"], "--engines: a fleet has at least 2 engines"),
+        (["--tiers", "p2p,nfs"], "--tiers: unknown sharing tier 'nfs'"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_option(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow
