@@ -1,6 +1,7 @@
 """p2p tiers on the in-memory transport, for fast tests of the reader and owner sides.
 
-A :class:`MemoryNode` is a real :class:`PeerTier` over a bytearray primary region. In
+A :class:`MemoryNode` is a real :class:`PeerTier` over a bytearray primary region (on
+the in-memory transport, or on any other: TCP on loopback with ``listen`` given). In
 place of the manager, :class:`FakeManager` answers the tier's pin requests from a
 key -> slot dictionary and counts the pins, so a test can see every pin released.
 """
@@ -23,8 +24,8 @@ from kvtier.region import PrimaryView
 from kvtier.resources import resolve_threadsafe
 from kvtier.tiers.base import JobResult, PrimaryAccess, TierContext, TransferJob
 from kvtier.tiers.p2p import MemoryTransport, PeerTier
-from kvtier.tiers.p2p.channel import Channel
-from kvtier.tiers.p2p.handshake import Credentials
+from kvtier.tiers.p2p.channel import Channel, Transport
+from kvtier.tiers.p2p.handshake import PROTOCOL_VERSION, Credentials, Remote
 
 CHUNK = 4096
 NAMESPACE = "kvtier/p2p-memory-test"
@@ -60,10 +61,17 @@ class FakeManager:
 
 
 class MemoryNode:
-    """A p2p tier named ``name`` listening on ``name:7070`` of ``transport``."""
+    """A p2p tier named ``name`` listening on ``name:7070`` of ``transport`` (or where
+    ``listen`` says; ``address`` is the bound one once started)."""
 
     def __init__(
-        self, transport: MemoryTransport, name: str, *, chunks: int = 8, **params: Any
+        self,
+        transport: Transport,
+        name: str,
+        *,
+        chunks: int = 8,
+        clock: Callable[[], float] | None = None,
+        **params: Any,
     ) -> None:
         self.region = bytearray(chunks * CHUNK)
         self.view = PrimaryView(memoryview(self.region), chunks, CHUNK)
@@ -81,12 +89,13 @@ class MemoryNode:
         )
         params = {"secret": SECRET, "listen": f"{name}:7070", **params}
         settings = PeerTier.settings_for(self.ctx, params)
-        self.tier = PeerTier(self.ctx, settings, transport=transport)
-        self.address = f"{name}:7070"
+        self.tier = PeerTier(self.ctx, settings, transport=transport, clock=clock)
+        self.address = self.tier.listen_address
         self._jobs = 0
 
     async def __aenter__(self) -> MemoryNode:
         await self.tier.start()
+        self.address = self.tier.listen_address
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -126,9 +135,14 @@ async def until(predicate: Callable[[], bool]) -> None:
 
 
 async def dial(
-    transport: MemoryTransport, address: str, *, secret: str = SECRET
-) -> tuple[Channel, bytes]:
-    """An authenticated reader's channel to the node at ``address``, and its node id."""
+    transport: MemoryTransport,
+    address: str,
+    *,
+    secret: str = SECRET,
+    version: int = PROTOCOL_VERSION,
+) -> tuple[Channel, Remote]:
+    """An authenticated reader's channel to the node at ``address`` (proposing protocol
+    ``version``), and that node."""
     host, port = address.rsplit(":", 1)
     channel = await transport.connect(host, int(port))
     credentials = Credentials(
@@ -136,7 +150,7 @@ async def dial(
     )
     try:
         with anyio.fail_after(HANG_S):
-            return await credentials.as_reader(channel, host)
+            return await credentials.as_reader(channel, host, version)
     except BaseException:
         channel.close()
         raise

@@ -9,6 +9,15 @@ while it sends a :class:`~kvtier.format.ChunkFormat` header (with the checksum
 taken when the chunk was stored) and the row, which the requester receives straight
 into the destination primary slot and verifies before it reports the key loaded.
 
+A chunk that fails that verification is a counted miss, never served, but the key is
+not dropped: a bit flipped on the way says nothing about the owner's copy. The reader
+skips that peer's copy of the key for ``retry_corrupt_after_s``, doubling with each
+further failure up to ``retry_corrupt_max_s``, and back to none after a good transfer,
+so a transient fault heals by itself and a link that corrupts everything is asked
+seldom. It also tells the owner (a CORRUPT frame, protocol version 2): the owner checks
+its own row against the checksum taken when it was stored and withdraws the key from
+every reader only if its own copy changed (``kvtier_p2p_reverified_chunks``).
+
 Connections (see :mod:`~kvtier.tiers.p2p.wire` for the wire format). Each node listens
 on ``listen`` and dials every entry of ``peers``. A connection has one purpose, set by
 who dialed it: the dialing node *reads* (it receives the other's announcements and
@@ -60,9 +69,13 @@ from kvtier.tiers.p2p.context import (
     ANNOUNCE_KEYS,
     AUTH_FAILURES,
     CONNECTIONS,
+    CORRUPT_BACKOFFS,
+    CORRUPT_RECOVERIES,
+    CORRUPT_REPORTS,
     FRAMES_REJECTED,
     INDEX_MEMORY,
     INDEXED_KEYS,
+    REVERIFIED_CHUNKS,
     SERVED_CHUNKS,
 )
 from kvtier.tiers.p2p.memory import MemoryTransport
@@ -76,9 +89,13 @@ __all__ = [
     "ANNOUNCE_KEYS",
     "AUTH_FAILURES",
     "CONNECTIONS",
+    "CORRUPT_BACKOFFS",
+    "CORRUPT_RECOVERIES",
+    "CORRUPT_REPORTS",
     "FRAMES_REJECTED",
     "INDEXED_KEYS",
     "INDEX_MEMORY",
+    "REVERIFIED_CHUNKS",
     "SERVED_CHUNKS",
     "Channel",
     "Listener",

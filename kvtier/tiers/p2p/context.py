@@ -30,15 +30,20 @@ __all__ = [
     "ANNOUNCE_KEYS",
     "AUTH_FAILURES",
     "CONNECTIONS",
+    "CORRUPT_BACKOFFS",
+    "CORRUPT_RECOVERIES",
+    "CORRUPT_REPORTS",
     "FRAMES_REJECTED",
     "INDEXED_KEYS",
     "INDEX_MEMORY",
+    "REVERIFIED_CHUNKS",
     "SERVED_CHUNKS",
     "Change",
     "Direction",
     "Flow",
     "Node",
     "NodeMetrics",
+    "Verdict",
 ]
 
 CONNECTIONS = "kvtier_p2p_connections"
@@ -50,6 +55,10 @@ ANNOUNCE_FRAMES = "kvtier_p2p_announce_frames"
 ANNOUNCE_KEYS = "kvtier_p2p_announce_keys"
 ANNOUNCE_BYTES = "kvtier_p2p_announce_bytes"
 INDEX_MEMORY = "kvtier_p2p_index_memory_bytes"
+CORRUPT_REPORTS = "kvtier_p2p_corrupt_reports"
+REVERIFIED_CHUNKS = "kvtier_p2p_reverified_chunks"
+CORRUPT_BACKOFFS = "kvtier_p2p_corrupt_backoffs"
+CORRUPT_RECOVERIES = "kvtier_p2p_corrupt_recoveries"
 
 
 class Direction(enum.Enum):
@@ -79,6 +88,16 @@ class Change(enum.Enum):
     WITHDRAW = "withdraw"
 
 
+class Verdict(enum.Enum):
+    """What an owner found re-checking a row a reader reported corrupt (the ``verdict``
+    label of REVERIFIED_CHUNKS)."""
+
+    #: The row still matches its checksum from store time: the key stays announced.
+    INTACT = "intact"
+    #: The row changed since: the key is withdrawn.
+    DAMAGED = "damaged"
+
+
 class NodeMetrics:
     """The p2p metrics of one tier, labelled with its name."""
 
@@ -88,8 +107,17 @@ class NodeMetrics:
         self._connections = dict.fromkeys(Direction, 0)
 
     def count(self, name: str, amount: int = 1) -> None:
-        """Add to the counter ``name`` (AUTH_FAILURES, FRAMES_REJECTED, SERVED_CHUNKS)."""
+        """Add to the counter ``name`` (AUTH_FAILURES, FRAMES_REJECTED, SERVED_CHUNKS,
+        CORRUPT_BACKOFFS, CORRUPT_RECOVERIES)."""
         self._recorder.inc(name, amount, (self._tier,))
+
+    def corrupt_reported(self, flow: Flow, keys: int) -> None:
+        """A CORRUPT frame of ``keys`` keys went ``flow``."""
+        self._recorder.inc(CORRUPT_REPORTS, keys, (self._tier, flow.value))
+
+    def reverified(self, verdict: Verdict, keys: int) -> None:
+        if keys:
+            self._recorder.inc(REVERIFIED_CHUNKS, keys, (self._tier, verdict.value))
 
     def connection_opened(self, direction: Direction) -> None:
         self._set_connections(direction, +1)
@@ -136,6 +164,9 @@ class Node:
     tasks: TaskSet
     #: Pinned reads of this node's primary tier; None answers every fetch "missing".
     primary: PrimaryAccess | None
+    #: Stop announcing keys whose rows changed since they were stored (as an eviction
+    #: does: the announcer tells every reader, the tier's event log records it).
+    withdraw: Callable[[Sequence[OffloadKey]], None]
     #: The framework's count of chunks that failed verification
     #: (``TierContext.report_integrity_failure``).
     report_integrity_failure: Callable[[int], None]

@@ -3,15 +3,24 @@
 Before the handshake ends only HELLO, PROOF and REJECT frames of at most
 :data:`PREAUTH_MAX_BODY` bytes are accepted:
 
-1. reader -> owner: HELLO with its namespace digest. The owner refuses (REJECT) another
-   protocol version, another namespace, or its own node id (a node dialing itself).
-2. owner -> reader: HELLO (its digest zeroed: it reveals nothing before the reader
-   proved the secret).
+1. reader -> owner: HELLO with the protocol version it proposes and its namespace
+   digest. The owner refuses (REJECT) a version older than :data:`MIN_PROTOCOL_VERSION`,
+   another namespace, or its own node id (a node dialing itself).
+2. owner -> reader: HELLO with the version the connection speaks, the lower of the
+   proposed one and its own (its digest zeroed: it reveals nothing before the reader
+   proved the secret). The reader hangs up on a version it did not offer.
 3. reader -> owner: PROOF("reader"); the owner checks it with ``hmac.compare_digest``
    and REJECTs a wrong one.
 4. owner -> reader: PROOF("owner"); the reader checks it and hangs up on a wrong one.
 
 A HELLO body is magic (8), version (2), node id (16), nonce (32), namespace digest (16).
+
+Versions. 1: the frames of :mod:`~kvtier.tiers.p2p.wire` but CORRUPT; 2: CORRUPT too.
+A version-1 owner refuses any other version, so a reader whose proposal of 2 is refused
+for its version dials again proposing 1 (:class:`~kvtier.tiers.p2p.reader.Dialer`); a
+version-1 reader proposes 1 and a newer owner answers 1. Nothing authenticates the
+proposal itself: whoever can tamper with the stream can make two nodes speak version 1,
+which loses only the reports of corrupt chunks (the reader backs off all the same).
 Each proof (:func:`proof`) is keyed by the secret and covers a fixed context string,
 the prover's role, both nonces, both node ids and the namespace digest, so a proof
 cannot be replayed on another connection, reflected back to its sender, or reused
@@ -43,12 +52,14 @@ from kvtier.tiers.p2p.wire import Kind, read_frame, send_frame
 
 __all__ = [
     "HELLO",
+    "MIN_PROTOCOL_VERSION",
     "NODE_ID_BYTES",
     "NONCE_BYTES",
     "PREAUTH_MAX_BODY",
     "PROTOCOL_VERSION",
     "Credentials",
     "Hello",
+    "Remote",
     "Role",
     "authenticate_owner",
     "authenticate_reader",
@@ -57,7 +68,10 @@ __all__ = [
     "proof",
 ]
 
-PROTOCOL_VERSION = 1
+#: The version this node proposes: 2 adds the CORRUPT frame.
+PROTOCOL_VERSION = 2
+#: The oldest version this node still speaks, as a reader or an owner.
+MIN_PROTOCOL_VERSION = 1
 _MAGIC = b"KVTP2P\r\n"
 _CONTEXT = b"kvtier p2p handshake v1\0"
 
@@ -91,8 +105,19 @@ class Hello:
     digest: bytes
 
 
-def encode_hello(node_id: bytes, nonce: bytes, digest: bytes) -> bytes:
-    return HELLO.pack(_MAGIC, PROTOCOL_VERSION, node_id, nonce, digest)
+@dataclass(frozen=True)
+class Remote:
+    """The other end of an authenticated connection."""
+
+    node_id: bytes
+    #: The protocol version both ends speak on this connection.
+    version: int
+
+
+def encode_hello(
+    node_id: bytes, nonce: bytes, digest: bytes, version: int = PROTOCOL_VERSION
+) -> bytes:
+    return HELLO.pack(_MAGIC, version, node_id, nonce, digest)
 
 
 def decode_hello(body: Buffer) -> Hello:
@@ -137,20 +162,26 @@ def proof(
 
 
 async def authenticate_reader(
-    channel: Channel, secret: Secret[bytes], node_id: bytes, digest: bytes, nonce: bytes
-) -> bytes:
-    """The dialing side's handshake; returns the owner's node id.
+    channel: Channel,
+    secret: Secret[bytes],
+    node_id: bytes,
+    digest: bytes,
+    nonce: bytes,
+    version: int = PROTOCOL_VERSION,
+) -> Remote:
+    """The dialing side's handshake, proposing ``version``; returns the owner.
 
     Raises:
         Rejected: the owner refused us (namespace, secret, version, or itself).
         SelfConnection: the owner is this node.
-        AuthError: the owner failed to prove the secret, or broke the protocol.
+        AuthError: the owner failed to prove the secret, answered a version outside
+            [MIN_PROTOCOL_VERSION, ``version``], or broke the protocol.
     """
-    await send_frame(channel, Kind.HELLO, encode_hello(node_id, nonce, digest))
+    await send_frame(channel, Kind.HELLO, encode_hello(node_id, nonce, digest, version))
     hello = decode_hello(await _read_handshake_frame(channel, Kind.HELLO))
     if hello.node_id == node_id:
         raise SelfConnection("the address is this node itself")
-    if hello.version != PROTOCOL_VERSION:
+    if not MIN_PROTOCOL_VERSION <= hello.version <= version:
         raise AuthError(f"the peer speaks protocol version {hello.version}")
     mine, expected = _proofs(
         secret, Role.READER, (node_id, nonce), (hello.node_id, hello.nonce), digest
@@ -159,23 +190,24 @@ async def authenticate_reader(
     answer = await _read_handshake_frame(channel, Kind.PROOF)
     if not hmac.compare_digest(bytes(answer), expected):
         raise AuthError("the peer failed to prove the shared secret")
-    return bytes(hello.node_id)
+    return Remote(bytes(hello.node_id), hello.version)
 
 
 async def authenticate_owner(
     channel: Channel, secret: Secret[bytes], node_id: bytes, digest: bytes, nonce: bytes
-) -> bytes:
-    """The accepting side's handshake; returns the reader's node id.
+) -> Remote:
+    """The accepting side's handshake; returns the reader.
 
     A refusal is sent as a REJECT frame before the error is raised.
 
     Raises:
         SelfConnection: the reader is this node.
-        AuthError: wrong secret, namespace or version, or a bad frame.
+        AuthError: wrong secret or namespace, a version older than
+            MIN_PROTOCOL_VERSION, or a bad frame.
     """
     hello = decode_hello(await _read_handshake_frame(channel, Kind.HELLO))
     refusal: tuple[Reject, AuthError] | None = None
-    if hello.version != PROTOCOL_VERSION:
+    if hello.version < MIN_PROTOCOL_VERSION:
         refusal = Reject.VERSION, AuthError(f"the peer speaks protocol version {hello.version}")
     elif hello.node_id == node_id:
         refusal = Reject.SELF, SelfConnection("the peer is this node itself")
@@ -184,7 +216,9 @@ async def authenticate_owner(
     if refusal is not None:
         await _refuse(channel, refusal[0])
         raise refusal[1]
-    await send_frame(channel, Kind.HELLO, encode_hello(node_id, nonce, bytes(DIGEST_BYTES)))
+    version = min(hello.version, PROTOCOL_VERSION)
+    reply = encode_hello(node_id, nonce, bytes(DIGEST_BYTES), version)
+    await send_frame(channel, Kind.HELLO, reply)
     given = await _read_handshake_frame(channel, Kind.PROOF)
     answer, expected = _proofs(
         secret, Role.OWNER, (node_id, nonce), (hello.node_id, hello.nonce), digest
@@ -193,7 +227,7 @@ async def authenticate_owner(
         await _refuse(channel, Reject.AUTHENTICATION)
         raise AuthError("the peer failed to prove the shared secret")
     await send_frame(channel, Kind.PROOF, answer)
-    return bytes(hello.node_id)
+    return Remote(bytes(hello.node_id), version)
 
 
 @dataclass(frozen=True)
@@ -210,11 +244,14 @@ class Credentials:
     client_tls: ssl.SSLContext | None = None
     server_tls: ssl.SSLContext | None = None
 
-    async def as_reader(self, channel: Channel, host: str) -> tuple[Channel, bytes]:
-        """Secure and authenticate a channel this node dialed to ``host``.
+    async def as_reader(
+        self, channel: Channel, host: str, version: int = PROTOCOL_VERSION
+    ) -> tuple[Channel, Remote]:
+        """Secure and authenticate a channel this node dialed to ``host``, proposing
+        protocol ``version``.
 
-        Returns the channel to use from now on and the owner's node id. The caller
-        closes ``channel`` if this raises.
+        Returns the channel to use from now on and the owner. The caller closes
+        ``channel`` if this raises.
 
         Raises:
             Rejected, SelfConnection, AuthError: see :func:`authenticate_reader`.
@@ -225,14 +262,16 @@ class Credentials:
             await tls.handshake()
             channel = tls
         nonce = secrets.token_bytes(NONCE_BYTES)
-        owner = await authenticate_reader(channel, self.secret, self.node_id, self.digest, nonce)
+        owner = await authenticate_reader(
+            channel, self.secret, self.node_id, self.digest, nonce, version
+        )
         return channel, owner
 
-    async def as_owner(self, channel: Channel) -> tuple[Channel, bytes]:
+    async def as_owner(self, channel: Channel) -> tuple[Channel, Remote]:
         """Secure and authenticate a channel a peer opened to this node.
 
-        Returns the channel to use from now on and the reader's node id. The caller
-        closes ``channel`` if this raises.
+        Returns the channel to use from now on and the reader. The caller closes
+        ``channel`` if this raises.
 
         Raises:
             SelfConnection, AuthError: see :func:`authenticate_owner`.

@@ -1,5 +1,11 @@
 """Who holds which key: what peers announced to this node, and what it announces.
 
+The peer index also remembers which holder's copy of a key failed verification: that
+copy is *backed off*, skipped by lookups and loads for a wait that doubles with each
+further failure, and forgotten after a good transfer or when the key leaves the index.
+A transient fault on a link so heals by itself, without the owner announcing the key
+again, while a link that keeps corrupting chunks is asked less and less often.
+
 Threads: :meth:`PeerIndex.contains` runs on the scheduler's thread and
 :meth:`Announcer.withdraw` is called there under the manager lock, while everything
 else runs on the tier event loop. Each class has a lock held only for dict and set
@@ -12,8 +18,9 @@ import asyncio
 import contextlib
 import sys
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from kvtier.keys import OffloadKey
@@ -28,6 +35,10 @@ MAX_OUTBOX_BACKLOG = 1 << 20
 # A dead holder's entries are removed in slices of this many keys, yielding to the
 # loop between slices; contains() already ignores a dead holder's entries.
 _DROP_SLICE = 8192
+# Back-off doublings stop counting here: 2**64 waits is beyond any cap.
+_MAX_DOUBLINGS = 64
+# A back-off entry: its (holder, key) tuple, its (failures, until) tuple and the float.
+_BACKOFF_ENTRY_BYTES = 2 * sys.getsizeof((None, None)) + sys.getsizeof(1.0)
 
 
 class Holder(Protocol):
@@ -53,10 +64,24 @@ class PeerIndex(Generic[H]):
     holder is the common case, and a tuple costs a third of a set).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        retry_after_s: float = 1.0,
+        retry_max_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``retry_after_s`` doubling up to ``retry_max_s``: how long a holder's copy
+        of a key is skipped after each failed verification (:meth:`back_off`);
+        ``clock`` tells the time for those waits, in seconds."""
         self._lock = threading.Lock()
         self._holders: dict[OffloadKey, tuple[H, ...]] = {}
         self._keys: dict[H, set[OffloadKey]] = {}
+        self._retry_after_s = retry_after_s
+        self._retry_max_s = retry_max_s
+        self._clock = clock
+        #: (holder, key) -> (failed verifications in a row, skipped until this time).
+        self._backoffs: dict[tuple[H, OffloadKey], tuple[int, float]] = {}
         # The objects the index alone keeps alive, beyond its dicts' and sets' own
         # tables: each (holder, key) pair's key bytes and each key's holder tuple.
         self._object_bytes = 0
@@ -66,33 +91,76 @@ class PeerIndex(Generic[H]):
         return len(self._holders)
 
     def contains(self, key: OffloadKey) -> bool:
-        """Whether a live holder announced ``key`` (any thread)."""
+        """Whether a live holder announced ``key`` and its copy is not backed off
+        (any thread)."""
         with self._lock:
             holders = self._holders.get(key)
         if holders:
             for holder in holders:
-                if holder.live:
+                if holder.live and self._usable(holder, key):
                     return True
         return False
+
+    def _usable(self, holder: H, key: OffloadKey) -> bool:
+        # Read without the lock (a dict probe), as the holders are.
+        if not self._backoffs:
+            return True
+        entry = self._backoffs.get((holder, key))
+        return entry is None or entry[1] <= self._clock()
+
+    def back_off(self, holder: H, key: OffloadKey) -> float:
+        """``holder``'s copy of ``key`` failed verification: skip it for a while.
+
+        Returns the wait: ``retry_after_s`` after a first failure, doubling with each
+        further one up to ``retry_max_s``. Nothing is remembered for a key the holder
+        no longer announces.
+        """
+        with self._lock:
+            entry = self._backoffs.get((holder, key))
+            failures = 1 if entry is None else min(entry[0] + 1, _MAX_DOUBLINGS)
+            wait = min(self._retry_max_s, self._retry_after_s * 2.0 ** (failures - 1))
+            if key in self._keys.get(holder, ()):
+                self._backoffs[(holder, key)] = (failures, self._clock() + wait)
+        return wait
+
+    def recovered(self, holder: H, key: OffloadKey) -> bool:
+        """``holder``'s copy of ``key`` passed verification: its back-off ends.
+        Returns whether it had one."""
+        if not self._backoffs:
+            return False
+        with self._lock:
+            return self._backoffs.pop((holder, key), None) is not None
+
+    @property
+    def backed_off(self) -> int:
+        """(holder, key) pairs with a back-off, whether or not it has run out."""
+        return len(self._backoffs)
 
     def memory_bytes(self) -> int:
         """An estimate of the memory the index holds (loop thread), from ``sys.getsizeof``.
 
         The tables of the dict and sets are measured when asked (each is one call); the
-        key objects and holder tuples are added up as entries come and go. Not counted:
+        key objects and holder tuples are added up as entries come and go, back-offs at a
+        fixed cost each. Not counted:
         the holders themselves (links, each a few hundred bytes), and a key object the
         dict keeps when the holder that first announced it withdrew it but another still
         holds it (the other holder's copy is counted in its place).
         """
         tables = sys.getsizeof(self._holders) + sys.getsizeof(self._keys)
         tables += sum(sys.getsizeof(keys) for keys in list(self._keys.values()))
-        return tables + self._object_bytes
+        backoffs = sys.getsizeof(self._backoffs) + len(self._backoffs) * _BACKOFF_ENTRY_BYTES
+        return tables + self._object_bytes + backoffs
 
     def pick(self, key: OffloadKey) -> H | None:
-        """The live holder of ``key`` with the fewest requests in flight (loop thread)."""
+        """The live holder of ``key`` whose copy is not backed off, with the fewest
+        requests in flight (loop thread)."""
         best: H | None = None
         for holder in self._holders.get(key, ()):
-            if holder.live and (best is None or holder.in_flight < best.in_flight):
+            if (
+                holder.live
+                and (best is None or holder.in_flight < best.in_flight)
+                and self._usable(holder, key)
+            ):
                 best = holder
         return best
 
@@ -142,6 +210,8 @@ class PeerIndex(Generic[H]):
                     self._discard(key, holder)
 
     def _discard(self, key: OffloadKey, holder: H) -> None:
+        if self._backoffs:
+            self._backoffs.pop((holder, key), None)
         holders = self._holders.get(key)
         if holders is None:
             return

@@ -4,7 +4,13 @@ A :class:`Server` accepts connections, authenticates each one and serves it as a
 :class:`Session`: this node's key set and every later change go out (from the
 :class:`~kvtier.tiers.p2p.index.Announcer`), and each FETCH is answered chunk by chunk
 from the primary tier, each row pinned until its last byte is out. An accepted
-connection only ever parses FETCH requests: it never writes into a primary slot.
+connection only ever parses FETCH requests and CORRUPT reports: it never writes into a
+primary slot.
+
+A CORRUPT report names keys whose chunks reached the reader failing verification. The
+owner checks each row it still holds against the checksum taken when the key was
+stored: a row that changed since is withdrawn (from every reader), one that still
+matches stays announced (the chunk was damaged on the way; the reader asks again later).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import ssl
 from collections import deque
 
 import anyio
+import anyio.to_thread
 
-from kvtier.format import HEADER_BYTES
+from kvtier.format import HEADER_BYTES, ChunkFormat
 from kvtier.keys import OffloadKey
 from kvtier.resources import TaskSet
 from kvtier.tiers.kit import describe_error
@@ -30,16 +37,21 @@ from kvtier.tiers.p2p.context import (
     Direction,
     Flow,
     Node,
+    Verdict,
 )
 from kvtier.tiers.p2p.errors import AuthError, LinkError, ProtocolError, SelfConnection
+from kvtier.tiers.p2p.handshake import Remote
 from kvtier.tiers.p2p.index import Outbox
 from kvtier.tiers.p2p.wire import (
     CHUNK_META,
     CONTROL_BATCH_BYTES,
+    CORRUPT_SINCE_VERSION,
     FRAME,
+    MAX_FETCH_KEYS,
     Kind,
     chunk_body_bytes,
     decode_fetch,
+    decode_key_list,
     encode_key_list,
     key_batches,
     parse_frame_header,
@@ -51,7 +63,8 @@ __all__ = ["MAX_QUEUED_FETCHES", "Server", "Session"]
 logger = logging.getLogger(__name__)
 
 # A reader has one fetch in flight per promotion job (max_concurrent_jobs, 8 by
-# default); a backlog beyond this is a misbehaving peer.
+# default), and reports a corrupt chunk only after one arrived; a backlog of either
+# beyond this is a misbehaving peer.
 MAX_QUEUED_FETCHES = 1024
 # After accept() fails (out of file descriptors, say), wait this long before the next
 # try instead of spinning: descriptors free up as connections end.
@@ -61,18 +74,22 @@ _ACCEPT_RETRY_S = 0.1
 class Session:
     """A connection a peer dialed: this node announces its keys and serves chunks.
 
-    Two tasks: one reads FETCH requests into a queue, one writes (index changes first,
-    then one request at a time, chunk by chunk). Either ending ends the session.
+    Two tasks: one reads FETCH requests and CORRUPT reports into queues, one writes
+    (index changes first, then the reports' re-checks, then one request at a time,
+    chunk by chunk). Either ending ends the session.
     """
 
-    def __init__(self, node: Node, channel: Channel, remote_id: bytes) -> None:
+    def __init__(self, node: Node, channel: Channel, remote: Remote) -> None:
         self.node = node
         self.channel = channel
         self.peer = channel.peer
-        self.remote_id = remote_id
+        self.remote_id = remote.node_id
+        #: The protocol version the session speaks.
+        self.version = remote.version
         self._wake = asyncio.Event()
         self._outbox = Outbox(self._wake)
         self._fetches: deque[tuple[int, list[OffloadKey]]] = deque()
+        self._reports: deque[list[OffloadKey]] = deque()
 
     async def run(self) -> BaseException | None:
         """Serve until the connection ends; returns the error that ended it, if any."""
@@ -106,19 +123,26 @@ class Session:
         while True:
             await self.channel.recv_exactly(header)
             kind, length = parse_frame_header(header)
-            if kind is not Kind.FETCH:
+            reports = self.version >= CORRUPT_SINCE_VERSION
+            if kind is not Kind.FETCH and not (kind is Kind.CORRUPT and reports):
                 raise ProtocolError(f"unexpected {kind.name} frame from a reader")
             if length > node.max_frame_bytes:
                 raise ProtocolError(
-                    f"a FETCH frame of {length} bytes, at most {node.max_frame_bytes}"
+                    f"a {kind.name} frame of {length} bytes, at most {node.max_frame_bytes}"
                 )
             body = bytearray(length)
             with anyio.fail_after(node.io_timeout_s):
                 await self.channel.recv_exactly(memoryview(body))
-            request = decode_fetch(body)
-            if len(self._fetches) >= MAX_QUEUED_FETCHES:
-                raise ProtocolError(f"more than {MAX_QUEUED_FETCHES} fetch requests queued")
-            self._fetches.append(request)
+            if len(self._fetches) + len(self._reports) >= MAX_QUEUED_FETCHES:
+                raise ProtocolError(f"more than {MAX_QUEUED_FETCHES} requests queued")
+            if kind is Kind.FETCH:
+                self._fetches.append(decode_fetch(body))
+            else:
+                keys = decode_key_list(body, 0, MAX_FETCH_KEYS)
+                if not keys:
+                    raise ProtocolError("a corrupt-chunk report of no keys")
+                node.metrics.corrupt_reported(Flow.RECEIVED, len(keys))
+                self._reports.append(keys)
             self._wake.set()
 
     async def _write(self) -> None:
@@ -129,6 +153,11 @@ class Session:
             self._wake.clear()
             while True:
                 await self._send_index_changes()
+                if self._reports:
+                    # Before more fetches: a row found damaged is withdrawn, and the
+                    # withdrawal goes out, before the next chunk does.
+                    await self._recheck(self._reports.popleft())
+                    continue
                 if not self._fetches:
                     break
                 request_id, keys = self._fetches.popleft()
@@ -180,6 +209,44 @@ class Session:
             node.unpin(list(rows))
             if served:
                 node.metrics.count(SERVED_CHUNKS, served)
+
+    async def _recheck(self, keys: list[OffloadKey]) -> None:
+        """Check the rows of reported ``keys`` against their checksums from store time;
+        withdraw the keys whose rows changed. Keys this node no longer holds are
+        skipped: their withdrawal is already on its way."""
+        node = self.node
+        rows = await node.pin(keys)
+        try:
+            expected = {key: node.announcer.checksum(key) for key in rows}
+            held = [key for key in keys if expected.get(key) is not None]
+            sums = await anyio.to_thread.run_sync(_checksums, [rows[key] for key in held])
+        finally:
+            node.unpin(list(rows))
+        damaged = [key for key, now in zip(held, sums, strict=True) if now != expected[key]]
+        node.metrics.reverified(Verdict.INTACT, len(held) - len(damaged))
+        node.metrics.reverified(Verdict.DAMAGED, len(damaged))
+        if damaged:
+            node.withdraw(damaged)
+            node.log.warning(
+                "damaged",
+                "withdrew %d key(s) whose rows changed since they were stored (reported by "
+                "peer %s)",
+                len(damaged),
+                self.peer,
+            )
+        elif held:
+            # The reader's warning already says a chunk failed; this says where.
+            logger.debug(
+                "tier %s: peer %s reported %d corrupt chunk(s); the rows here are intact "
+                "(damaged on the way)",
+                node.tier_name,
+                self.peer,
+                len(held),
+            )
+
+
+def _checksums(rows: list[memoryview]) -> list[int]:
+    return [ChunkFormat.checksum(row) for row in rows]
 
 
 class Server:
@@ -235,7 +302,7 @@ class Server:
         label = accepted.peer
         try:
             with anyio.fail_after(node.connect_timeout_s):
-                channel, remote_id = await node.credentials.as_owner(accepted)
+                channel, remote = await node.credentials.as_owner(accepted)
         except SelfConnection:
             return
         except (AuthError, ssl.SSLError, TimeoutError) as exc:
@@ -251,7 +318,7 @@ class Server:
             )
             return
         try:
-            error = await self._run_session(Session(node, channel, remote_id))
+            error = await self._run_session(Session(node, channel, remote))
         finally:
             channel.close()
         if isinstance(error, ProtocolError):

@@ -5,6 +5,13 @@ runs the link until it ends, and redials with backoff. Over a link the owner's i
 comes in (ANNOUNCE / WITHDRAW into the :class:`~kvtier.tiers.p2p.index.PeerIndex`) and
 chunks are pulled (:func:`fetch_chunks`), straight into primary slots, verified before
 they count as loaded.
+
+A chunk that fails verification is a counted integrity failure and a miss, never served.
+The key stays in the index: it may have been damaged on the way (a transient fault), so
+that peer's copy is only backed off (:meth:`~kvtier.tiers.p2p.index.PeerIndex.back_off`)
+and asked for again once the wait runs out. The owner is told (a CORRUPT frame, on
+connections of protocol version 2 and later): it re-checks its own row and withdraws
+the key if the row itself changed, so every reader drops it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from kvtier.tiers.kit import describe_error
 from kvtier.tiers.p2p.channel import Channel, Transport, format_address
 from kvtier.tiers.p2p.context import (
     AUTH_FAILURES,
+    CORRUPT_BACKOFFS,
+    CORRUPT_RECOVERIES,
     FRAMES_REJECTED,
     Change,
     Direction,
@@ -38,14 +47,17 @@ from kvtier.tiers.p2p.errors import (
     Rejected,
     SelfConnection,
 )
+from kvtier.tiers.p2p.handshake import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, Remote
 from kvtier.tiers.p2p.index import PeerIndex
 from kvtier.tiers.p2p.wire import (
     CHUNK_META,
+    CORRUPT_SINCE_VERSION,
     FRAME,
     Kind,
     chunk_body_bytes,
     decode_key_list,
     encode_fetch,
+    encode_key_list,
     fetch_batches,
     parse_frame_header,
     send_frame,
@@ -121,12 +133,14 @@ class Link:
     by one loop iteration.)
     """
 
-    def __init__(self, node: Node, peer: str, channel: Channel, remote_id: bytes) -> None:
+    def __init__(self, node: Node, peer: str, channel: Channel, remote: Remote) -> None:
         self.node = node
         #: The peer as ``peers`` lists it.
         self.peer = peer
         self.channel = channel
-        self.remote_id = remote_id
+        self.remote_id = remote.node_id
+        #: The protocol version the link speaks.
+        self.version = remote.version
         self.live = True
         self.end_reason: str | None = None
         #: When a byte last came in (loop time): a load gives up on a quiet link.
@@ -249,15 +263,34 @@ class Link:
             )
         await self.channel.recv_exactly(slot)  # straight into the primary slot
         key = request.keys[position]
-        problem = self.node.chunk_format.verify(meta[CHUNK_META.size :], key, slot)
-        if problem is not None:
-            self.node.integrity_failure(self.peer, problem)
-            request.resolve(position, f"corrupt chunk: {problem}")
-            # The owner would send the same bytes again: stop asking it for this key.
-            self.node.index.remove(self, [key])
-            self.node.index_changed()
-        else:
+        node = self.node
+        problem = node.chunk_format.verify(meta[CHUNK_META.size :], key, slot)
+        if problem is None:
+            if node.index.recovered(self, key):
+                node.metrics.count(CORRUPT_RECOVERIES)
             request.resolve(position, None)
+            return
+        node.integrity_failure(self.peer, problem)
+        request.resolve(position, f"corrupt chunk: {problem}")
+        # Damaged on the way or in the owner's memory: the owner can tell which. Until
+        # it withdraws the key, this copy is skipped for a while, then asked for again.
+        wait = node.index.back_off(self, key)
+        node.metrics.count(CORRUPT_BACKOFFS)
+        logger.debug(
+            "tier %s: not asking peer %s for a key for %.3g s after a corrupt chunk",
+            node.tier_name,
+            self.peer,
+            wait,
+        )
+        if self.version >= CORRUPT_SINCE_VERSION:
+            await self._report_corrupt([key])
+
+    async def _report_corrupt(self, keys: list[OffloadKey]) -> None:
+        """Tell the owner ``keys`` came in failing verification. Called by the reading
+        task: an error ends the link, as any other on it."""
+        async with self._send_lock:
+            await send_frame(self.channel, Kind.CORRUPT, encode_key_list(keys))
+        self.node.metrics.corrupt_reported(Flow.SENT, len(keys))
 
     async def _receive_missing(self, length: int, meta: memoryview) -> None:
         if length != CHUNK_META.size:
@@ -341,6 +374,9 @@ class Dialer:
         self.peer = format_address(address)
         #: The link while one is up.
         self.link: Link | None = None
+        #: The protocol version the next dial proposes: lower after the peer refused
+        #: a higher one, back to this node's own once a link ends.
+        self.version = PROTOCOL_VERSION
         self._transport = transport
         self._reconnect_initial_s = reconnect_initial_s
         self._reconnect_max_s = reconnect_max_s
@@ -357,6 +393,8 @@ class Dialer:
             try:
                 link = await self._connect()
             except (SelfConnection, Rejected) as exc:
+                if self._older_version(exc):
+                    continue
                 if isinstance(exc, Rejected) and exc.reason is not Reject.SELF:
                     node.metrics.count(AUTH_FAILURES)
                     failures += 1
@@ -383,16 +421,33 @@ class Dialer:
                 await self._keep(link)
             await asyncio.sleep(self._backoff(failures))
 
+    def _older_version(self, exc: BaseException) -> bool:
+        """Whether the owner refused the version proposed and a lower one is left to
+        try (at once: it is no failure but an owner not yet upgraded)."""
+        if not isinstance(exc, Rejected) or exc.reason is not Reject.VERSION:
+            return False
+        if self.version <= MIN_PROTOCOL_VERSION:
+            return False
+        self.version -= 1
+        logger.info(
+            "tier %s: peer %s refused protocol version %d; dialing again with %d",
+            self.node.tier_name,
+            self.peer,
+            self.version + 1,
+            self.version,
+        )
+        return True
+
     async def _connect(self) -> Link:
         host, port = self.address
         with anyio.fail_after(self.node.connect_timeout_s):
             opened = await self._transport.connect(host, port)
             try:
-                channel, remote_id = await self.node.credentials.as_reader(opened, host)
+                channel, remote = await self.node.credentials.as_reader(opened, host, self.version)
             except BaseException:
                 opened.close()
                 raise
-        return Link(self.node, self.peer, channel, remote_id)
+        return Link(self.node, self.peer, channel, remote)
 
     async def _keep(self, link: Link) -> None:
         """Run ``link`` until it ends, then forget what its owner announced."""
@@ -400,15 +455,18 @@ class Dialer:
         self.link = link
         node.metrics.connection_opened(Direction.OUTBOUND)
         logger.info(
-            "tier %s: reading from peer %s (node %s)",
+            "tier %s: reading from peer %s (node %s, protocol %d)",
             node.tier_name,
             self.peer,
             link.remote_id.hex(),
+            link.version,
         )
         try:
             error = await link.run()
         finally:
             self.link = None
+            # The owner may come back upgraded.
+            self.version = PROTOCOL_VERSION
             node.metrics.connection_closed(Direction.OUTBOUND)
         # Not reached when the tier closes (cancelled): nothing to report or clean then.
         if isinstance(error, ProtocolError):

@@ -39,6 +39,13 @@ DEFAULT_IO_TIMEOUT_S = 10.0
 # the step so that many readers of one restarted node do not redial in lockstep.
 DEFAULT_RECONNECT_INITIAL_S = 0.1
 DEFAULT_RECONNECT_MAX_S = 5.0
+# A chunk from a peer that failed verification: that peer is not asked for that key
+# again for 1 s, doubling after each further failure up to 60 s, and back to none after
+# a good transfer. A flipped bit on a link is a burst that has long passed after 1 s;
+# a link that corrupts everything costs one wasted chunk a minute per key at worst,
+# while the owner, told of each failure, withdraws the key if its own row changed.
+DEFAULT_RETRY_CORRUPT_AFTER_S = 1.0
+DEFAULT_RETRY_CORRUPT_MAX_S = 60.0
 # Accepted connections at once, authenticated or not: a flood of half-open handshakes
 # cannot use up this process's file descriptors.
 DEFAULT_MAX_INBOUND = 64
@@ -136,6 +143,12 @@ class PeerSettings:
     #: redialing a lost peer, doubling up to the second.
     reconnect_initial_s: float = DEFAULT_RECONNECT_INITIAL_S
     reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S
+    #: ``retry_corrupt_after_s`` / ``retry_corrupt_max_s`` (1 / 60): after a chunk from
+    #: a peer fails verification, lookups skip that peer's copy of that key this long,
+    #: the wait doubling with each further failure up to the second; a good transfer
+    #: ends it.
+    retry_corrupt_after_s: float = DEFAULT_RETRY_CORRUPT_AFTER_S
+    retry_corrupt_max_s: float = DEFAULT_RETRY_CORRUPT_MAX_S
     #: ``max_inbound_connections`` (64): accepted connections at once, authenticated
     #: or not; more are closed at once.
     max_inbound_connections: int = DEFAULT_MAX_INBOUND
@@ -198,6 +211,17 @@ class PeerSettings:
             max(DEFAULT_RECONNECT_MAX_S, reconnect_initial_s),
             minimum=reconnect_initial_s,
         )
+        retry_corrupt_after_s = reader.number(
+            "retry_corrupt_after_s",
+            DEFAULT_RETRY_CORRUPT_AFTER_S,
+            minimum=0,
+            exclusive_minimum=True,
+        )
+        retry_corrupt_max_s = reader.number(
+            "retry_corrupt_max_s",
+            max(DEFAULT_RETRY_CORRUPT_MAX_S, retry_corrupt_after_s),
+            minimum=retry_corrupt_after_s,
+        )
         max_inbound = reader.integer(
             "max_inbound_connections", DEFAULT_MAX_INBOUND, minimum=1, maximum=65536
         )
@@ -213,6 +237,8 @@ class PeerSettings:
             max_frame_bytes=max_frame_bytes,
             reconnect_initial_s=reconnect_initial_s,
             reconnect_max_s=reconnect_max_s,
+            retry_corrupt_after_s=retry_corrupt_after_s,
+            retry_corrupt_max_s=retry_corrupt_max_s,
             max_inbound_connections=max_inbound,
         )
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio.to_thread
@@ -31,9 +32,13 @@ from kvtier.tiers.p2p.context import (
     ANNOUNCE_KEYS,
     AUTH_FAILURES,
     CONNECTIONS,
+    CORRUPT_BACKOFFS,
+    CORRUPT_RECOVERIES,
+    CORRUPT_REPORTS,
     FRAMES_REJECTED,
     INDEX_MEMORY,
     INDEXED_KEYS,
+    REVERIFIED_CHUNKS,
     SERVED_CHUNKS,
     Node,
     NodeMetrics,
@@ -60,7 +65,9 @@ class PeerTier(SecondaryTier):
 
     Built from its effective :class:`~kvtier.tiers.p2p.settings.PeerSettings`
     (:meth:`effective_settings`). ``transport`` (not a configuration key) replaces the
-    TCP transport, e.g. with :class:`~kvtier.tiers.p2p.memory.MemoryTransport` in tests.
+    TCP transport, e.g. with :class:`~kvtier.tiers.p2p.memory.MemoryTransport` in tests;
+    ``clock`` (seconds, ``time.monotonic`` by default) times the back-off of a peer's
+    copy of a key after it failed verification.
     """
 
     medium = Medium.NETWORK  # its hits are P2P ones
@@ -68,7 +75,12 @@ class PeerTier(SecondaryTier):
     settings_class = PeerSettings
 
     def __init__(
-        self, ctx: TierContext, settings: PeerSettings, *, transport: Transport | None = None
+        self,
+        ctx: TierContext,
+        settings: PeerSettings,
+        *,
+        transport: Transport | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(ctx)
         # Filled in by effective_settings, from which the framework builds the tier.
@@ -77,7 +89,11 @@ class PeerTier(SecondaryTier):
         self.max_frame_bytes = settings.max_frame_bytes
         self._transport = SocketTransport() if transport is None else transport
         self._node_id = secrets.token_bytes(NODE_ID_BYTES)
-        self._index: PeerIndex[Link] = PeerIndex()
+        self._index: PeerIndex[Link] = PeerIndex(
+            retry_after_s=settings.retry_corrupt_after_s,
+            retry_max_s=settings.retry_corrupt_max_s,
+            clock=time.monotonic if clock is None else clock,
+        )
         self._announcer = Announcer()
         self._metrics = NodeMetrics(ctx)
         self._events = EventLog(ctx.enable_events)
@@ -141,6 +157,28 @@ class PeerTier(SecondaryTier):
                 "tier, flow and change.",
                 _INDEX_TRAFFIC_LABELS,
             ),
+            CORRUPT_REPORTS: CounterDef(
+                "Keys whose chunks failed verification on a reader, as reported to their "
+                "owner, by tier and flow (sent: this node reported; received: a peer "
+                "reported to this node).",
+                ("tier", "flow"),
+            ),
+            REVERIFIED_CHUNKS: CounterDef(
+                "Rows this node re-checked after a peer reported their chunks corrupt, by "
+                "tier and verdict (intact: the row matches its checksum from store time and "
+                "stays announced; damaged: it changed and was withdrawn).",
+                ("tier", "verdict"),
+            ),
+            CORRUPT_BACKOFFS: CounterDef(
+                "Times a peer's copy of a key was set aside after its chunk failed "
+                "verification (retry_corrupt_after_s, doubling), by tier.",
+                ("tier",),
+            ),
+            CORRUPT_RECOVERIES: CounterDef(
+                "Keys loaded intact from a peer whose copy had failed verification before "
+                "(its back-off ended), by tier.",
+                ("tier",),
+            ),
         }
 
     # ------------------------------------------------------------ properties
@@ -178,6 +216,12 @@ class PeerTier(SecondaryTier):
     def indexed_keys(self) -> int:
         """Keys some peer announced (including entries of peers being dropped)."""
         return len(self._index)
+
+    @property
+    def backed_off_keys(self) -> int:
+        """Peers' copies of keys set aside after failing verification (whether or not
+        their wait has run out; a good transfer or a withdrawal forgets one)."""
+        return self._index.backed_off
 
     @property
     def announced_keys(self) -> int:
@@ -221,6 +265,7 @@ class PeerTier(SecondaryTier):
             log=ThrottledLog(logger, f"tier {self.ctx.tier_name}"),
             tasks=self._tasks,
             primary=self.ctx.primary,
+            withdraw=self.on_primary_removed,
             report_integrity_failure=self.ctx.report_integrity_failure,
             connect_timeout_s=settings.connect_timeout_s,
             io_timeout_s=settings.io_timeout_s,

@@ -9,10 +9,11 @@ non-zero pad byte, a kind the connection's state does not allow, or a length abo
 connection's limit ends that connection (:class:`ProtocolError`), never the process.
 
 Connections are one-way in purpose. The node that dials (the *reader*) authenticates
-(:mod:`kvtier.tiers.p2p.handshake`), then only sends ``FETCH``; the node that accepts
-(the *owner*) sends the keys it holds (``ANNOUNCE`` / ``WITHDRAW``) and answers each
-``FETCH`` with one ``CHUNK`` or ``MISSING`` per key. So an accepted connection, the one
-anybody can open, never writes into a primary slot. Bodies:
+(:mod:`kvtier.tiers.p2p.handshake`), then only sends ``FETCH`` (and, from protocol
+version 2, ``CORRUPT``); the node that accepts (the *owner*) sends the keys it holds
+(``ANNOUNCE`` / ``WITHDRAW``) and answers each ``FETCH`` with one ``CHUNK`` or
+``MISSING`` per key. So an accepted connection, the one anybody can open, never writes
+into a primary slot. Bodies:
 
 =========  =========================================================================
 HELLO      see :mod:`kvtier.tiers.p2p.handshake`
@@ -25,6 +26,9 @@ FETCH      request id (4), key list
 CHUNK      request id (4), position in the request (4), chunk header
            (:mod:`kvtier.format`, 4096 bytes), the chunk's whole primary row
 MISSING    request id (4), position (4): the owner does not hold that key any more
+CORRUPT    key list: keys whose chunks reached the reader failing verification; the
+           owner checks its own rows against their checksums and withdraws those
+           that changed (version 2 on; a version-1 connection never carries it)
 =========  =========================================================================
 
 A key list is a 4-byte count, then each key as a 2-byte length and its bytes.
@@ -44,6 +48,7 @@ from kvtier.tiers.p2p.errors import ProtocolError
 __all__ = [
     "CHUNK_META",
     "CONTROL_BATCH_BYTES",
+    "CORRUPT_SINCE_VERSION",
     "FRAME",
     "MAX_FETCH_KEYS",
     "Kind",
@@ -69,8 +74,11 @@ _REQUEST_ID = struct.Struct(">I")
 # Announcements and fetch requests are cut into frames of at most this many bytes
 # (about 800 keys of 36 bytes), well within any peer's frame limit (>= 64 KiB).
 CONTROL_BATCH_BYTES = 32 * 1024
-#: The most keys one FETCH may ask for; an owner refuses a longer request.
+#: The most keys one FETCH may ask for (or one CORRUPT report); an owner refuses more.
 MAX_FETCH_KEYS = 1024
+#: The first protocol version (:mod:`~kvtier.tiers.p2p.handshake`) whose connections
+#: carry CORRUPT frames.
+CORRUPT_SINCE_VERSION = 2
 
 
 class Kind(enum.IntEnum):
@@ -84,6 +92,7 @@ class Kind(enum.IntEnum):
     FETCH = 32
     CHUNK = 33
     MISSING = 34
+    CORRUPT = 35
 
 
 def parse_frame_header(header: Buffer, max_body: int | None = None) -> tuple[Kind, int]:

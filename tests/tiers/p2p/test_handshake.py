@@ -16,6 +16,7 @@ from kvtier.tiers.p2p.channel import Channel
 from kvtier.tiers.p2p.errors import AuthError, LinkError, Reject, Rejected, SelfConnection
 from kvtier.tiers.p2p.handshake import (
     HELLO,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Credentials,
     Role,
@@ -80,7 +81,9 @@ async def owner_answer(channel: Channel) -> tuple[Kind, bytes]:
 
 
 async def test_nodes_with_the_same_secret_and_namespace_learn_each_others_id():
-    assert await handshake() == (OWNER_ID, READER_ID)
+    reader, owner = await handshake()
+    assert (reader.node_id, owner.node_id) == (OWNER_ID, READER_ID)
+    assert reader.version == owner.version == PROTOCOL_VERSION
 
 
 async def test_a_reader_with_the_wrong_secret_is_refused_by_the_owner():
@@ -101,25 +104,53 @@ async def test_a_node_that_dials_itself_is_told_so_and_both_ends_know():
     assert isinstance(owner, SelfConnection)
 
 
-async def test_an_owner_refuses_a_reader_of_another_protocol_version():
+async def test_an_owner_refuses_a_reader_of_a_version_older_than_it_speaks():
     a, b = channel_pair()
-    hello = HELLO.pack(b"KVTP2P\r\n", PROTOCOL_VERSION + 1, READER_ID, nonce(), DIGEST)
+    hello = HELLO.pack(b"KVTP2P\r\n", MIN_PROTOCOL_VERSION - 1, READER_ID, nonce(), DIGEST)
     await send_frame(a, Kind.HELLO, hello)
     owner = await both(asyncio.sleep(0), authenticate_owner(b, SECRET, OWNER_ID, DIGEST, nonce()))
-    assert isinstance(owner[1], AuthError) and "version 2" in str(owner[1])
+    assert isinstance(owner[1], AuthError) and "version 0" in str(owner[1])
     assert await owner_answer(a) == (Kind.REJECT, bytes([Reject.VERSION]))
 
 
-async def test_a_reader_hangs_up_on_an_owner_of_another_protocol_version():
+@pytest.mark.parametrize("proposed", [MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, 9])
+async def test_both_ends_speak_the_lower_of_the_readers_proposal_and_the_owners_version(proposed):
+    a, b = channel_pair()
+    reader, owner = await both(
+        authenticate_reader(a, SECRET, READER_ID, DIGEST, nonce(), proposed),
+        authenticate_owner(b, SECRET, OWNER_ID, DIGEST, nonce()),
+    )
+    agreed = min(proposed, PROTOCOL_VERSION)
+    assert (reader.version, owner.version) == (agreed, agreed)
+    assert (reader.node_id, owner.node_id) == (OWNER_ID, READER_ID)
+
+
+async def test_a_version_1_reader_hears_version_1_from_a_newer_owner():
+    """What a reader of the first release checks: the owner's HELLO says 1, exactly."""
     a, b = channel_pair()
 
-    async def old_owner() -> None:
+    async def first_release_reader() -> int:
+        await send_frame(a, Kind.HELLO, encode_hello(READER_ID, nonce(), DIGEST, version=1))
+        answer = decode_hello((await read_frame(a, 256))[1]).version
+        a.close()  # the rest of the handshake is as it always was
+        return answer
+
+    version, _ = await both(
+        first_release_reader(), authenticate_owner(b, SECRET, OWNER_ID, DIGEST, nonce())
+    )
+    assert version == 1
+
+
+async def test_a_reader_hangs_up_on_an_owner_answering_a_version_it_did_not_offer():
+    a, b = channel_pair()
+
+    async def odd_owner() -> None:
         await read_frame(b, 256)
         reply = HELLO.pack(b"KVTP2P\r\n", PROTOCOL_VERSION + 1, OWNER_ID, nonce(), bytes(16))
         await send_frame(b, Kind.HELLO, reply)
 
-    reader, _ = await both(authenticate_reader(a, SECRET, READER_ID, DIGEST, nonce()), old_owner())
-    assert isinstance(reader, AuthError) and "version 2" in str(reader)
+    reader, _ = await both(authenticate_reader(a, SECRET, READER_ID, DIGEST, nonce()), odd_owner())
+    assert isinstance(reader, AuthError) and f"version {PROTOCOL_VERSION + 1}" in str(reader)
 
 
 # ------------------------------------------------------------------- attacks
@@ -153,7 +184,7 @@ async def test_a_proof_recorded_on_one_connection_is_refused_on_another():
     _, accepted = await both(
         reader(a, replay=False), authenticate_owner(b, SECRET, OWNER_ID, DIGEST, nonce())
     )
-    assert accepted == READER_ID  # the recording was a genuine proof
+    assert accepted.node_id == READER_ID  # the recording was a genuine proof
     a, b = channel_pair()
     _, replayed = await both(
         reader(a, replay=True), authenticate_owner(b, SECRET, OWNER_ID, DIGEST, nonce())
@@ -265,7 +296,7 @@ async def test_credentials_authenticate_inside_mutual_tls():
     owner = Credentials(SECRET, OWNER_ID, DIGEST, server_tls=tls_context(ca, server=True))
     a, b = channel_pair()
     dialed, accepted = await both(reader.as_reader(a, "localhost"), owner.as_owner(b))
-    assert dialed[1] == OWNER_ID and accepted[1] == READER_ID
+    assert dialed[1].node_id == OWNER_ID and accepted[1].node_id == READER_ID
     await dialed[0].send(b"sealed")
     got = bytearray(6)
     await accepted[0].recv_exactly(memoryview(got))

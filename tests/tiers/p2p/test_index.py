@@ -97,6 +97,58 @@ async def test_dropping_a_peer_forgets_all_its_keys_and_keeps_the_others():
     assert len(index) == 4
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_backed_off_copy_is_skipped_for_a_doubling_wait_capped_and_ended_by_a_good_transfer():
+    clock = Clock()
+    index: PeerIndex[Peer] = PeerIndex(retry_after_s=1, retry_max_s=3, clock=clock)
+    a = Peer("a")
+    key = keys("k", 1)[0]
+    index.add(a, [key])
+    assert [index.back_off(a, key) for _ in range(4)] == [1, 2, 3, 3]
+    assert not index.contains(key) and index.pick(key) is None
+    clock.now = 2.9
+    assert not index.contains(key)
+    clock.now = 3.0
+    assert index.contains(key) and index.pick(key) is a
+    assert index.recovered(a, key) and not index.recovered(a, key)
+    assert index.back_off(a, key) == 1  # counting again from the start
+    assert index.backed_off == 1
+
+
+def test_a_backed_off_copy_leaves_the_other_holders_of_the_key_in_use():
+    index: PeerIndex[Peer] = PeerIndex(clock=Clock())
+    a, b = Peer("a"), Peer("b")
+    key = keys("k", 1)[0]
+    index.add(a, [key])
+    index.add(b, [key])
+    index.back_off(a, key)
+    assert index.contains(key) and index.pick(key) is b
+
+
+@pytest.mark.anyio
+async def test_a_key_that_leaves_the_index_takes_its_back_off_along():
+    index: PeerIndex[Peer] = PeerIndex(clock=Clock())
+    a, b = Peer("a"), Peer("b")
+    ks = keys("k", 2)
+    index.add(a, ks)
+    index.add(b, ks)
+    for key in ks:
+        index.back_off(a, key)
+        index.back_off(b, key)
+    index.remove(a, ks[:1])
+    await index.drop(b)
+    assert index.backed_off == 1
+    index.back_off(b, ks[0])  # a holder that no longer announces the key
+    assert index.backed_off == 1
+
+
 def received(prefix: str, count: int) -> list:
     """Keys as a link decodes them off the wire: objects of their own."""
     return decode_key_list(encode_key_list(keys(prefix, count)))

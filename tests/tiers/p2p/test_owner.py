@@ -10,7 +10,7 @@ from helpers import keys
 from p2p_memory import CHUNK, HANG_S, NAMESPACE, MemoryNode, dial, until
 
 from kvtier.format import HEADER_BYTES, ChunkFormat
-from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, MemoryTransport
+from kvtier.tiers.p2p import AUTH_FAILURES, FRAMES_REJECTED, REVERIFIED_CHUNKS, MemoryTransport
 from kvtier.tiers.p2p.channel import Channel
 from kvtier.tiers.p2p.context import SERVED_CHUNKS
 from kvtier.tiers.p2p.errors import PeerClosed, Rejected
@@ -106,6 +106,43 @@ async def test_a_fetch_for_more_keys_than_allowed_is_cut_off_and_counted():
         too_many = [b"k%d" % i for i in range(1025)]
         await send_frame(channel, Kind.FETCH, encode_fetch(1, too_many))
         await until(lambda: owner.counter(FRAMES_REJECTED) == 1)
+        channel.close()
+
+
+def verdicts(owner: MemoryNode, verdict: str) -> float:
+    labels = {"tier": "owner", "verdict": verdict}
+    return owner.metrics.sample(f"{REVERIFIED_CHUNKS}_total", labels) or 0.0
+
+
+async def test_a_report_of_a_row_that_changed_withdraws_it_and_one_of_an_intact_row_does_not():
+    transport = MemoryTransport()
+    async with MemoryNode(transport, "owner") as owner:
+        held = keys("held", 2)
+        await owner.put(held, [0, 1])
+        owner.view[1][7] ^= 0x10  # after its checksum was taken
+        channel, _ = await dial(transport, owner.address)
+        await next_frame(channel)  # the announcement
+        report = [held[0], *keys("never-held", 1)]
+        await send_frame(channel, Kind.CORRUPT, encode_key_list(report))
+        await until(lambda: verdicts(owner, "intact") == 1)
+        assert verdicts(owner, "damaged") == 0 and owner.tier.announced_keys == 2
+        await send_frame(channel, Kind.CORRUPT, encode_key_list(held[1:]))
+        kind, body = await next_frame(channel)
+        assert kind is Kind.WITHDRAW and decode_key_list(body) == held[1:]
+        assert verdicts(owner, "damaged") == 1 and owner.tier.announced_keys == 1
+        await until(lambda: owner.manager.pinned == 0)
+        assert owner.counter(FRAMES_REJECTED) == 0
+        channel.close()
+
+
+async def test_a_corrupt_chunk_report_on_a_version_1_connection_is_cut_off_and_counted():
+    transport = MemoryTransport()
+    async with MemoryNode(transport, "owner") as owner:
+        channel, remote = await dial(transport, owner.address, version=1)
+        assert remote.version == 1
+        await send_frame(channel, Kind.CORRUPT, encode_key_list(keys("any", 1)))
+        await until(lambda: owner.counter(FRAMES_REJECTED) == 1)
+        assert verdicts(owner, "intact") == verdicts(owner, "damaged") == 0
         channel.close()
 
 

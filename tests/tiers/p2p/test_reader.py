@@ -26,7 +26,8 @@ from kvtier.tiers.p2p import (
 )
 from kvtier.tiers.p2p.channel import Channel, Listener
 from kvtier.tiers.p2p.context import INDEXED_KEYS
-from kvtier.tiers.p2p.handshake import Credentials
+from kvtier.tiers.p2p.errors import Reject
+from kvtier.tiers.p2p.handshake import PROTOCOL_VERSION, Credentials, decode_hello
 from kvtier.tiers.p2p.wire import CHUNK_META, Kind, encode_key_list, read_frame, send_frame
 
 pytestmark = pytest.mark.anyio
@@ -115,7 +116,7 @@ async def test_a_key_the_owner_no_longer_holds_is_a_miss_and_leaves_the_index():
         assert reader.tier.connected_peers == [owner.address]  # a miss is no fault
 
 
-async def test_a_chunk_changed_after_it_was_stored_fails_verification_counted_and_unindexed():
+async def test_a_chunk_changed_after_it_was_stored_fails_verification_and_the_owner_withdraws_it():
     transport = MemoryTransport()
     owner, reader = pair(transport)
     async with owner, reader:
@@ -126,8 +127,9 @@ async def test_a_chunk_changed_after_it_was_stored_fails_verification_counted_an
         result = await reader.pull(ks, [3])
         assert not result.success and list(result.successful_keys or ()) == []
         assert reader.ctx.counters.integrity_failures == 1
-        # The owner would send the same bytes again: the key is no longer asked for.
-        assert not reader.tier.contains(ks[0])
+        # Told of it, the owner found its own row changed and withdrew the key.
+        await until(lambda: reader.tier.indexed_keys == 0)
+        assert owner.tier.announced_keys == 0
         assert reader.tier.connected_peers == [owner.address]
 
 
@@ -174,6 +176,16 @@ async def test_a_node_listed_among_its_own_peers_gives_up_dialing_itself(caplog)
 # ------------------------------------------------------- a hand-driven owner
 
 
+class Clock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def accept_reader(listener: Listener) -> Channel:
     """Accept one reader and pass the handshake as an owner with the right secret."""
     credentials = Credentials(
@@ -197,6 +209,48 @@ async def test_an_answer_to_nothing_the_reader_asked_ends_the_link_and_is_counte
         await until(lambda: not reader.tier.contains(ks[0]))
         channel.close()
         await accept_reader(listener)  # the reader comes back
+    listener.close()
+
+
+async def test_a_reader_refused_for_its_version_dials_again_at_version_1_and_reports_nothing():
+    """An owner of the first release: it refuses version 2, then knows no CORRUPT frame."""
+    transport = MemoryTransport()
+    listener = await transport.listen("old", 7070, backlog=4)
+    clock = Clock()
+    params = {"retry_corrupt_after_s": 1, **QUICK}
+    async with MemoryNode(transport, "reader", peers=["old:7070"], clock=clock, **params) as reader:
+        with anyio.fail_after(HANG_S):
+            refused = await listener.accept()
+            kind, body = await read_frame(refused, 256)
+            assert kind is Kind.HELLO and decode_hello(body).version == PROTOCOL_VERSION
+            await send_frame(refused, Kind.REJECT, bytes([Reject.VERSION]))
+            refused.close()
+            credentials = Credentials(
+                Secret(SECRET.encode()), os.urandom(16), ChunkFormat(NAMESPACE).digest
+            )
+            channel, remote = await credentials.as_owner(await listener.accept())
+        assert remote.version == 1
+        ks = keys("old", 1)
+        await send_frame(channel, Kind.ANNOUNCE, encode_key_list(ks))
+        await until(lambda: reader.tier.contains(ks[0]))
+        for _ in range(2):
+            pulled = asyncio.ensure_future(reader.pull(ks, [2]))
+            kind, body = await read_frame(channel, 1 << 16)  # never a CORRUPT frame
+            assert kind is Kind.FETCH
+            request_id = int.from_bytes(body[:4], "big")
+            payload = bytearray(os.urandom(CHUNK))
+            header = ChunkFormat(NAMESPACE).header(ks[0], memoryview(payload))
+            payload[0] ^= 1
+            meta = CHUNK_META.pack(request_id, 0)
+            await send_frame(channel, Kind.CHUNK, meta + bytes(header) + bytes(payload))
+            with anyio.fail_after(HANG_S):
+                assert not (await pulled).success
+            assert not reader.tier.contains(ks[0]) and reader.tier.indexed_keys == 1
+            clock.now += 2
+        assert reader.ctx.counters.integrity_failures == 2
+        assert reader.counter(AUTH_FAILURES) == 0  # an older owner is no failure
+        assert reader.tier.connected_peers == ["old:7070"]
+        channel.close()
     listener.close()
 
 

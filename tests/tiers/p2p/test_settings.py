@@ -29,6 +29,7 @@ def test_defaults_listen_on_loopback_read_from_nobody_and_time_out_in_seconds():
     assert (settings.connect_timeout_s, settings.io_timeout_s) == (5.0, 10.0)
     assert (settings.reconnect_initial_s, settings.reconnect_max_s) == (0.1, 5.0)
     assert settings.max_inbound_connections == 64 and settings.tls is None
+    assert (settings.retry_corrupt_after_s, settings.retry_corrupt_max_s) == (1.0, 60.0)
 
 
 def test_addresses_are_parsed_and_ipv6_is_written_in_brackets():
@@ -39,6 +40,11 @@ def test_addresses_are_parsed_and_ipv6_is_written_in_brackets():
 
 def test_a_first_reconnect_wait_above_the_default_cap_raises_the_cap():
     assert parse(reconnect_initial_s=8).reconnect_max_s == 8.0
+
+
+def test_a_first_wait_after_a_corrupt_chunk_above_the_default_cap_raises_the_cap():
+    settings = parse(retry_corrupt_after_s=90)
+    assert (settings.retry_corrupt_after_s, settings.retry_corrupt_max_s) == (90.0, 90.0)
 
 
 def test_parsing_opens_nothing_a_secret_file_is_read_when_the_tier_starts():
@@ -74,6 +80,8 @@ def test_the_settings_repr_hides_the_secret():
         ({"max_frame_bytes": 1024}, "max_frame_bytes"),
         ({"reconnect_initial_s": 1, "reconnect_max_s": 0.5}, "reconnect_max_s"),
         ({"max_inbound_connections": 0}, "max_inbound_connections"),
+        ({"retry_corrupt_after_s": 0}, "retry_corrupt_after_s"),
+        ({"retry_corrupt_after_s": 2, "retry_corrupt_max_s": 1}, "retry_corrupt_max_s"),
         ({"tls": "on"}, "tls"),
         ({"tls": {"cert": "c.pem"}}, "tls.key"),
         ({"tls": {"cert": "c", "key": "k", "ca": "a", "verify": False}}, "tls.verify"),
