@@ -19,6 +19,7 @@ import p2p_procs
 import pytest
 import torch
 import trustme
+from flipping_proxy import FlippingProxy
 from helpers import keys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -46,6 +47,7 @@ from kvtier.tiers.p2p import (
     AUTH_FAILURES,
     FRAMES_REJECTED,
     INDEX_MEMORY,
+    REVERIFIED_CHUNKS,
     PeerTier,
 )
 from kvtier.tiers.p2p.handshake import encode_hello
@@ -244,6 +246,46 @@ async def test_a_corrupted_chunk_on_the_wire_is_caught_counted_and_never_served(
             assert not cache.any()
             assert counter(kv, Names.INTEGRITY_FAILURES) == 2
             assert await recv_from(conn, "answers") == "answered"
+
+
+async def test_an_engine_misses_chunks_damaged_on_the_wire_then_hits_them_once_the_link_heals(
+    engine_id,
+):
+    """As a user sees it: no new announcement, no restart, the key comes back."""
+    source = p2p_procs.pattern(3)
+    owner = KVTier(in_process_config(f"{engine_id}-a"), [source])
+    async with owner as a, FlippingProxy(peer_tier(a).address) as proxy:
+        config = in_process_config(
+            f"{engine_id}-b", peers=[proxy.address], retry_corrupt_after_s=0.1
+        )
+        cache = zeros()
+        async with KVTier(config, [cache]) as b:
+            tier = peer_tier(b)
+            assert await wait_until(lambda: tier.connected_peers == [proxy.address], 30)
+            ks = keys("healed", 2)
+            assert await a.store(ks, [0, 1], "w") == 2
+            await a.drain()
+            assert await indexed(tier, ks)
+            proxy.always = True
+            assert await b.lookup(ks, "r1", timeout=30) == 0
+            b.finish("r1")
+            assert counter(b, Names.INTEGRITY_FAILURES) >= 1
+            proxy.always = False  # the link heals
+            assert await indexed(tier, ks)  # once the back-off runs out
+            assert await b.lookup(ks, "r2", timeout=30) == 2
+            assert await b.load(ks, [5, 6], "r2") == 2
+            b.finish("r2")
+            assert torch.equal(cache[5:7], source[0:2])
+            labels = {"tier": b.manager.diagnostics.tier_labels[0]}
+            received = b.manager.metrics.sample(
+                f"{ANNOUNCE_FRAMES}_total", {**labels, "flow": "received", "change": "announce"}
+            )
+            assert received == 1  # the key was never announced again
+            verdict = {"tier": a.manager.diagnostics.tier_labels[0], "verdict": "intact"}
+            # The owner found its rows intact: it kept announcing the keys.
+            assert await wait_until(
+                lambda: (a.manager.metrics.sample(f"{REVERIFIED_CHUNKS}_total", verdict) or 0) >= 1
+            )
 
 
 @pytest.mark.slow
