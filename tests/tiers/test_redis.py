@@ -214,10 +214,10 @@ def test_plan_shows_every_effective_value_and_no_password(tmp_path, capsys):
         "tls_ca_file": None,
         "tls_cert_file": None,
         "tls_key_file": None,
-        "pipeline_bytes": 64 << 20,
+        "pipeline_bytes": 4 << 20,
         "job_deadline_s": pytest.approx(20.0),
         "value_bytes": HEADER_BYTES + 131072,
-        "pipeline_chunks": (64 << 20) // (HEADER_BYTES + 131072),
+        "pipeline_chunks": (4 << 20) // (HEADER_BYTES + 131072),
     }
 
 
