@@ -7,11 +7,12 @@ from the parts of :mod:`kvtier.tiers.kit`, on redis-py's asyncio client:
   namespace and checksums of header and payload, then the primary row), named
   ``<model>_<namespace digest>/<key hex>``, so that engines of one namespace share
   their chunks and no other namespace ever reads them;
-- a job is one pipeline, one round trip for its whole batch (on a cluster, one per
-  node that holds some of its keys, all at once): ``SET NX`` stores a chunk unless
-  the server holds it already (an existing chunk is kept, and counted as skipped),
-  ``GET`` loads, ``EXISTS`` looks up (``EXPIRE`` when values have a ``ttl_s``, so a
-  lookup that finds a chunk renews its life);
+- a job is one pipeline, one round trip for its batch (on a cluster, one per node
+  that holds some of its keys, all at once); a job of more than ``pipeline_bytes``
+  goes as several pipelines at once, each on a connection of its own: ``SET NX``
+  stores a chunk unless the server holds it already (an existing chunk is kept, and
+  counted as skipped), ``GET`` loads, ``EXISTS`` looks up (``EXPIRE`` when values have
+  a ``ttl_s``, so a lookup that finds a chunk renews its life);
 - a loaded value is verified before the load reports it: a value overwritten,
   truncated or foreign is counted, deleted and never served
   (:class:`~kvtier.tiers.kit.CorruptChunks`);

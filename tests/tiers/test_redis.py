@@ -60,8 +60,8 @@ def job(job_id: int, ks: list[bytes], slots: list[int], *, promotion: bool) -> T
     return TransferJob(job_id, tuple(ks), tuple(slots), promotion, f"r{job_id}")
 
 
-def secret_file(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
-    path = tmp_path / "redis.pass"
+def secret_file(tmp_path: Path, text: str, mode: int = 0o600, name: str = "redis.pass") -> Path:
+    path = tmp_path / name
     path.write_text(text + "\n")
     path.chmod(mode)
     return path
@@ -293,6 +293,31 @@ async def test_a_tier_with_the_password_from_its_file_stores_and_loads_byte_exac
         await redis.start()
         try:
             await round_trip(ctx, redis, "password-file")
+        finally:
+            await redis.aclose()
+
+
+async def test_a_user_in_the_url_signs_in_with_the_password_from_the_file(tmp_path):
+    async with RedisServer(password=PASSWORD) as server:
+        async with server.client() as admin:
+            await admin.acl_setuser(
+                "kv", enabled=True, passwords=["+kv-password"], keys=["*"], commands=["+@all"]
+            )
+        path = secret_file(tmp_path, "kv-password")
+        url = f"redis://kv@127.0.0.1:{server.port}/0"
+        wrong = tier(
+            context(),
+            url=url,
+            password_file=str(secret_file(tmp_path, PASSWORD, name="other.pass")),
+        )
+        with pytest.raises(ConfigError, match=r"^secondary_tiers\[0\]\.password_file: .* refused"):
+            await wrong.start()
+        await wrong.aclose()
+        ctx = context()
+        redis = tier(ctx, url=url, password_file=str(path))
+        await redis.start()
+        try:
+            await round_trip(ctx, redis, "acl-user")
         finally:
             await redis.aclose()
 
