@@ -53,3 +53,14 @@ def s3(request: pytest.FixtureRequest) -> S3Server:
     (``@pytest.mark.parametrize("s3", [...], indirect=True)``): ``moto`` or ``seaweed``."""
     server: S3Server = request.getfixturevalue(getattr(request, "param", "moto"))
     return server
+
+
+@pytest.fixture
+def seaweed_alone(tmp_path: Path) -> Iterator[SeaweedS3Server]:
+    """SeaweedFS of one test's own, with a bucket ``kvtier``: to kill and restart."""
+    server = seaweed_server(tmp_path / "seaweed")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

@@ -1,4 +1,9 @@
-"""The s3 tier against S3-speaking servers on loopback: moto, rclone, and a chaos proxy."""
+"""The s3 tier against S3-speaking servers on loopback: s3, rclone, SeaweedFS, and a
+chaos proxy.
+
+A test that takes ``s3`` runs against moto; those marked :data:`ON_EVERY_SERVER`
+against SeaweedFS too (``bucket`` is then a fresh bucket of that server).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Iterator
 
 import anyio.to_thread
 import pytest
@@ -15,7 +21,9 @@ from s3_servers import (
     ACCESS_KEY,
     SECRET_KEY,
     ChaosProxy,
+    S3Server,
     free_port,
+    fresh_bucket,
     put_object,
     raw_client,
     read_object,
@@ -32,6 +40,18 @@ BLOCK = 16 * 1024  # bytes per GPU block; one block per chunk
 GPU_BLOCKS = 64
 LABEL = {"tier": "1:s3"}
 SESSION_TOKEN = "FwoGZXIvYXdzEXAMPLEsessiontoken0000000000000000000001"
+
+#: Runs a test against moto and against SeaweedFS (a real server binary, slower).
+ON_EVERY_SERVER = pytest.mark.parametrize(
+    "s3", ["moto", pytest.param("seaweed", marks=pytest.mark.slow)], indirect=True
+)
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> Iterator[str]:
+    """A fresh, empty bucket on the test's server (see the ``s3`` fixture)."""
+    with fresh_bucket(s3.endpoint) as name:
+        yield name
 
 
 def kv_tensor(seed: int = 0) -> torch.Tensor:
@@ -73,10 +93,11 @@ def metric(kv: KVTier, name: str) -> float:
 # ------------------- objects and lookups (the shared contract: test_contract_s3.py)
 
 
-async def test_objects_follow_the_documented_layout(engine_id, moto, bucket):
+@ON_EVERY_SERVER
+async def test_objects_follow_the_documented_layout(engine_id, s3, bucket):
     config = s3_config(
         engine_id,
-        moto.endpoint,
+        s3.endpoint,
         bucket,
         model="org/Model-7B",
         prefix="/team/kv/",
@@ -89,10 +110,10 @@ async def test_objects_follow_the_documented_layout(engine_id, moto, bucket):
         digest = hashlib.sha256(tier.ctx.namespace.encode()).hexdigest()[:32]
         name = f"team/kv/org_Model-7B_{digest}/{key.hex()}.kvt"
         assert tier.object_key(key) == name
-        async with raw_client(moto.endpoint) as client:
+        async with raw_client(s3.endpoint) as client:
             listing = await client.list_objects_v2(Bucket=bucket)
         assert [item["Key"] for item in listing["Contents"]] == [name]
-        data = await read_object(moto.endpoint, bucket, name)
+        data = await read_object(s3.endpoint, bucket, name)
         assert data is not None
         assert len(data) == 4096 + kv.manager.region.chunk_bytes
         assert data[:8] == b"KVTCHUNK"
@@ -100,9 +121,10 @@ async def test_objects_follow_the_documented_layout(engine_id, moto, bucket):
         assert [(e.keys, e.medium, e.removed) for e in stored] == [((key,), Medium.STORAGE, False)]
 
 
-async def test_a_store_skips_keys_it_knows_are_stored_without_a_request(engine_id, moto, bucket):
+@ON_EVERY_SERVER
+async def test_a_store_skips_keys_it_knows_are_stored_without_a_request(engine_id, s3, bucket):
     [key] = keys("present", 1)
-    async with KVTier(s3_config(engine_id, moto.endpoint, bucket), [kv_tensor()]) as kv:
+    async with KVTier(s3_config(engine_id, s3.endpoint, bucket), [kv_tensor()]) as kv:
         await store_all(kv, [key])
         assert metric(kv, "kvtier_s3_stores_skipped") == 0
         await kv.reset()
@@ -111,34 +133,35 @@ async def test_a_store_skips_keys_it_knows_are_stored_without_a_request(engine_i
         assert metric(kv, "kvtier_s3_head_requests") == 0
 
 
+@ON_EVERY_SERVER
 @pytest.mark.parametrize("head_before_store", [False, True])
 async def test_a_store_leaves_another_engine_s_object_alone(
-    engine_id, moto, bucket, head_before_store
+    engine_id, s3, bucket, head_before_store
 ):
     [key] = keys("present", 1)
-    async with KVTier(s3_config(engine_id, moto.endpoint, bucket), [kv_tensor()]) as kv:
+    async with KVTier(s3_config(engine_id, s3.endpoint, bucket), [kv_tensor()]) as kv:
         await store_all(kv, [key])
         name = s3_tier(kv).object_key(key)
-    async with raw_client(moto.endpoint) as client:
+    async with raw_client(s3.endpoint) as client:
         before = (await client.head_object(Bucket=bucket, Key=name))["ETag"]
     # Another engine, other bytes for the same key: a HEAD first, or a conditional
     # upload the server refuses, leaves the first object in place.
-    other = s3_config(f"{engine_id}b", moto.endpoint, bucket, head_before_store=head_before_store)
+    other = s3_config(f"{engine_id}b", s3.endpoint, bucket, head_before_store=head_before_store)
     async with KVTier(other, [kv_tensor(5)]) as kv:
         await store_all(kv, [key])
         assert metric(kv, "kvtier_s3_stores_skipped") == 1
         assert metric(kv, "kvtier_s3_head_requests") == (1 if head_before_store else 0)
         assert metric(kv, Names.CASCADE_JOB_FAILURES) == 0
         assert s3_tier(kv).contains(key) is True
-    async with raw_client(moto.endpoint) as client:
+    async with raw_client(s3.endpoint) as client:
         assert (await client.head_object(Bucket=bucket, Key=name))["ETag"] == before
 
 
-async def test_lookups_are_batched_heads_answered_from_a_ttl_cache(engine_id, moto, bucket):
+async def test_lookups_are_batched_heads_answered_from_a_ttl_cache(engine_id, s3, bucket):
     ks = keys("cached", 6)
-    async with KVTier(s3_config(engine_id, moto.endpoint, bucket, chunks=8), [kv_tensor()]) as kv:
+    async with KVTier(s3_config(engine_id, s3.endpoint, bucket, chunks=8), [kv_tensor()]) as kv:
         await store_all(kv, ks[:4])
-    config = s3_config(f"{engine_id}r", moto.endpoint, bucket, chunks=8, lookup_cache_ttl_s=600)
+    config = s3_config(f"{engine_id}r", s3.endpoint, bucket, chunks=8, lookup_cache_ttl_s=600)
     async with KVTier(config, [kv_tensor()]) as kv:
         tier = s3_tier(kv)
         assert [tier.contains(k) for k in ks] == [None] * 6
@@ -149,7 +172,7 @@ async def test_lookups_are_batched_heads_answered_from_a_ttl_cache(engine_id, mo
         await kv.reset()
         assert await kv.lookup(ks, "r2", timeout=30) == 4  # from the cache
         assert metric(kv, "kvtier_s3_head_requests") == 6
-    config = s3_config(f"{engine_id}t", moto.endpoint, bucket, lookup_cache_ttl_s=0.2)
+    config = s3_config(f"{engine_id}t", s3.endpoint, bucket, lookup_cache_ttl_s=0.2)
     async with KVTier(config, [kv_tensor()]) as kv:
         tier = s3_tier(kv)
         assert list(await tier.lookup(ks[3:5])) == [True, False]
@@ -173,20 +196,20 @@ async def test_lookups_are_batched_heads_answered_from_a_ttl_cache(engine_id, mo
     ],
 )
 async def test_damaged_objects_are_misses_deleted_and_counted_never_served(
-    engine_id, moto, bucket, damage, cached
+    engine_id, s3, bucket, damage, cached
 ):
     kv_cache = kv_tensor()
     ttl = 600 if cached else 0
     config = s3_config(
-        engine_id, moto.endpoint, bucket, lookup_cache_ttl_s=ttl, enable_kv_events=True
+        engine_id, s3.endpoint, bucket, lookup_cache_ttl_s=ttl, enable_kv_events=True
     )
     if damage == "another_namespace":
         # The same key stored by an engine of another model, copied under our name.
         [key] = keys("foreign", 1)
-        other = s3_config(f"{engine_id}o", moto.endpoint, bucket, model="other-model")
+        other = s3_config(f"{engine_id}o", s3.endpoint, bucket, model="other-model")
         async with KVTier(other, [kv_tensor(1)]) as kv:
             await store_all(kv, [key])
-            data = await read_object(moto.endpoint, bucket, s3_tier(kv).object_key(key))
+            data = await read_object(s3.endpoint, bucket, s3_tier(kv).object_key(key))
     async with KVTier(config, [kv_cache]) as kv:
         tier = s3_tier(kv)
         if damage == "another_namespace":
@@ -195,21 +218,21 @@ async def test_damaged_objects_are_misses_deleted_and_counted_never_served(
             key, decoy = keys(f"damage-{damage}", 2)
             await store_all(kv, [key, decoy])
             name = tier.object_key(key)
-            data = await read_object(moto.endpoint, bucket, name)
+            data = await read_object(s3.endpoint, bucket, name)
             assert data is not None
             if damage == "another_key":
-                data = await read_object(moto.endpoint, bucket, tier.object_key(decoy))
+                data = await read_object(s3.endpoint, bucket, tier.object_key(decoy))
             else:
                 data = damaged(data, damage)
         assert data is not None
-        await put_object(moto.endpoint, bucket, name, bytes(data))
+        await put_object(s3.endpoint, bucket, name, bytes(data))
         await kv.reset()
         kv.manager.take_events()
         before = kv_cache[50].clone()
         assert await kv.lookup([key], "reader", timeout=30) == 0
         assert await kv.load([key], [50], "reader") == 0
         assert torch.equal(kv_cache[50], before)
-        assert await read_object(moto.endpoint, bucket, name) is None
+        assert await read_object(s3.endpoint, bucket, name) is None
         assert metric(kv, Names.INTEGRITY_FAILURES) == 1
         removed = [e for e in kv.manager.take_events() if e.tier == "1:s3" and e.removed]
         assert [e.keys for e in removed] == [(key,)]
@@ -219,12 +242,13 @@ async def test_damaged_objects_are_misses_deleted_and_counted_never_served(
         assert await kv.lookup([key], "again", timeout=30) == 1
 
 
-async def test_multipart_objects_round_trip(engine_id, moto, bucket):
+@ON_EVERY_SERVER
+async def test_multipart_objects_round_trip(engine_id, s3, bucket):
     block = 6 * 1024 * 1024  # > one 5 MiB part
     cache = torch.randint(0, 255, (4, block), dtype=torch.uint8)
     config = s3_config(
         engine_id,
-        moto.endpoint,
+        s3.endpoint,
         bucket,
         chunks=2,
         block=block,
@@ -235,7 +259,7 @@ async def test_multipart_objects_round_trip(engine_id, moto, bucket):
         ks = keys("multipart", 2)
         await store_all(kv, ks)
         tier = s3_tier(kv)
-        async with raw_client(moto.endpoint) as client:
+        async with raw_client(s3.endpoint) as client:
             head = await client.head_object(Bucket=bucket, Key=tier.object_key(ks[0]))
             uploads = await client.list_multipart_uploads(Bucket=bucket)
         assert head["ContentLength"] == 4096 + block
@@ -245,6 +269,52 @@ async def test_multipart_objects_round_trip(engine_id, moto, bucket):
         assert await kv.lookup(ks, "reader", timeout=60) == 2
         assert await kv.load(ks, [2, 3], "reader") == 2
         assert torch.equal(cache[2:4], cache[0:2])
+
+
+@ON_EVERY_SERVER
+async def test_a_refused_multipart_upload_is_aborted_not_left_open(engine_id, s3, bucket):
+    # SeaweedFS keeps a multipart upload open when it refuses to complete it
+    # (If-None-Match on an object already there): the tier aborts it.
+    block = 6 * 1024 * 1024
+    params = {"multipart_threshold": 1, "multipart_part_bytes": 5 * 1024 * 1024}
+    [key] = keys("refused-multipart", 1)
+    first = s3_config(engine_id, s3.endpoint, bucket, chunks=1, block=block, **params)
+    cache = torch.randint(0, 255, (2, block), dtype=torch.uint8)
+    async with KVTier(first, [cache]) as kv:
+        await store_all(kv, [key])
+    other = s3_config(f"{engine_id}b", s3.endpoint, bucket, chunks=1, block=block, **params)
+    theirs = torch.randint(0, 255, (2, block), dtype=torch.uint8)
+    async with KVTier(other, [theirs]) as kv:
+        await store_all(kv, [key])
+        assert metric(kv, "kvtier_s3_stores_skipped") == 1
+        assert metric(kv, Names.CASCADE_JOB_FAILURES) == 0
+        await kv.reset()
+        assert await kv.lookup([key], "reader", timeout=60) == 1
+        assert await kv.load([key], [1], "reader") == 1
+        assert torch.equal(theirs[1], cache[0])  # the first engine's object was kept
+    async with raw_client(s3.endpoint) as client:
+        uploads = await client.list_multipart_uploads(Bucket=bucket)
+    assert not uploads.get("Uploads")
+
+
+@ON_EVERY_SERVER
+async def test_an_empty_object_under_a_chunk_s_name_is_a_counted_miss_and_replaced(
+    engine_id, s3, bucket
+):
+    # What SeaweedFS leaves where a PUT's connection closed before its body began.
+    [key] = keys("empty", 1)
+    config = s3_config(engine_id, s3.endpoint, bucket, lookup_cache_ttl_s=0)
+    async with KVTier(config, [kv_tensor()]) as kv:
+        name = s3_tier(kv).object_key(key)
+        await put_object(s3.endpoint, bucket, name, b"")
+        assert await kv.lookup([key], "first", timeout=30) == 0
+        assert await read_object(s3.endpoint, bucket, name) is None
+        assert metric(kv, Names.INTEGRITY_FAILURES) == 1
+        kv.finish("first")
+        await store_all(kv, [key])
+        assert metric(kv, "kvtier_s3_stores_skipped") == 0
+        await kv.reset()
+        assert await kv.lookup([key], "again", timeout=30) == 1
 
 
 # -------------------------------------------------- configuration and start
@@ -265,8 +335,9 @@ def test_bad_settings_fail_the_build_naming_their_key(engine_id, params, path, s
         OffloadingSpecFactory.create_spec(config).get_manager()
 
 
-async def test_a_missing_bucket_fails_start_clearly_and_releases_the_region(engine_id, moto):
-    config = s3_config(engine_id, moto.endpoint, "no-such-bucket-kvtier")
+@ON_EVERY_SERVER
+async def test_a_missing_bucket_fails_start_clearly_and_releases_the_region(engine_id, s3):
+    config = s3_config(engine_id, s3.endpoint, "no-such-bucket-kvtier")
     with pytest.raises(
         ConfigError,
         match=r"secondary_tiers\[0\]\.bucket: bucket 'no-such-bucket-kvtier' does not exist",
@@ -286,13 +357,13 @@ async def test_an_unreachable_endpoint_fails_start_in_bounded_time(engine_id):
     assert time.monotonic() - started < 10
 
 
-async def test_secrets_never_appear_in_logs_reprs_or_errors(engine_id, moto, bucket, caplog):
+async def test_secrets_never_appear_in_logs_reprs_or_errors(engine_id, s3, bucket, caplog):
     secret, token = "Zsecret/Key+ThatMustNeverLeak00000000000", SESSION_TOKEN
     caplog.set_level(logging.DEBUG, logger="kvtier")
     caplog.set_level(logging.INFO)
     texts: list[str] = []
     config = s3_config(
-        engine_id, moto.endpoint, bucket, secret_access_key=secret, session_token=token
+        engine_id, s3.endpoint, bucket, secret_access_key=secret, session_token=token
     )
     async with KVTier(config, [kv_tensor()]) as kv:
         ks = keys("secret", 2)
@@ -302,10 +373,10 @@ async def test_secrets_never_appear_in_logs_reprs_or_errors(engine_id, moto, buc
         tier = s3_tier(kv)
         texts += [repr(tier), str(tier), repr(vars(tier))]
     bad = [
-        s3_config(engine_id, moto.endpoint, "no-such-bucket-kvtier", secret_access_key=secret),
-        s3_config(engine_id, moto.endpoint, bucket, secret_access_key=secret, access_key_id=None),
-        s3_config(engine_id, moto.endpoint, bucket, secret_access_key=[secret]),
-        s3_config(engine_id, moto.endpoint, bucket, session_token=token, surprise=secret),
+        s3_config(engine_id, s3.endpoint, "no-such-bucket-kvtier", secret_access_key=secret),
+        s3_config(engine_id, s3.endpoint, bucket, secret_access_key=secret, access_key_id=None),
+        s3_config(engine_id, s3.endpoint, bucket, secret_access_key=[secret]),
+        s3_config(engine_id, s3.endpoint, bucket, session_token=token, surprise=secret),
     ]
     for config in bad:
         with pytest.raises(ConfigError) as info:
@@ -351,9 +422,29 @@ async def test_round_trip_through_rclone_serve_s3(engine_id, rclone, tmp_path):
         assert metric(kv, Names.INTEGRITY_FAILURES) == 1
 
 
-async def test_signed_payloads_are_accepted_by_rclone(engine_id, rclone):
+#: Runs a test against each real server binary (each has a bucket ``kvtier``).
+ON_EVERY_BINARY = pytest.mark.parametrize(
+    "binary", ["rclone", pytest.param("seaweed", marks=pytest.mark.slow)]
+)
+
+
+@ON_EVERY_BINARY
+async def test_wrong_credentials_fail_start_naming_the_bucket(engine_id, binary, request):
+    server = request.getfixturevalue(binary)
+    config = s3_config(engine_id, server.endpoint, "kvtier", secret_access_key="wrong" * 8)
+    with pytest.raises(
+        ConfigError,
+        match=r"^secondary_tiers\[0\]\.bucket: access to bucket 'kvtier' .* denied \(HTTP 403\)",
+    ):
+        async with KVTier(config, [kv_tensor()]):
+            pass  # pragma: no cover - never reached
+
+
+@ON_EVERY_BINARY
+async def test_signed_payloads_are_accepted(engine_id, binary, request):
+    server = request.getfixturevalue(binary)
     kv_cache = kv_tensor()
-    config = s3_config(engine_id, rclone.endpoint, "kvtier", sign_payload=True)
+    config = s3_config(engine_id, server.endpoint, "kvtier", sign_payload=True)
     async with KVTier(config, [kv_cache]) as kv:
         ks = keys("signed", 3)
         await store_all(kv, ks)
@@ -410,11 +501,53 @@ async def test_a_server_outage_fails_jobs_in_bounded_time_and_then_recovers(engi
         assert await kv.lookup(after, "later", timeout=30) == 4
 
 
+@pytest.mark.slow
+async def test_a_seaweedfs_killed_and_restarted_costs_counted_misses_then_hits_again(
+    engine_id, seaweed_alone
+):
+    server = seaweed_alone
+    kv_cache = kv_tensor()
+    config = s3_config(
+        engine_id,
+        server.endpoint,
+        "kvtier",
+        chunks=8,
+        connect_timeout_s=0.5,
+        read_timeout_s=1,
+        retry_attempts=1,
+        job_deadline_s=3,
+        lookup_cache_ttl_s=600,
+    )
+    async with KVTier(config, [kv_cache]) as kv:
+        before, during, after = keys("stored", 4), keys("crashed", 4), keys("restarted", 4)
+        await store_all(kv, before)
+        await kv.reset()
+        await anyio.to_thread.run_sync(server.kill)
+        # The tier's cache says the chunks are there; fetching them fails: misses.
+        assert await kv.lookup(before, "crashed", timeout=30) == 0
+        await store_all(kv, during, first_block=10)
+        assert metric(kv, Names.PROMOTION_JOB_FAILURES) >= 1
+        assert metric(kv, Names.CASCADE_JOB_FAILURES) == 1
+        kv.finish("crashed")
+        # Back on the same port over the same disk: what it acknowledged is there.
+        await anyio.to_thread.run_sync(server.start)
+        await kv.reset()
+        assert await kv.lookup(before, "restarted", timeout=30) == 4
+        assert await kv.load(before, list(range(40, 44)), "restarted") == 4
+        assert torch.equal(kv_cache[40:44], kv_cache[0:4])
+        kv.finish("restarted")
+        await store_all(kv, after, first_block=20)
+        assert metric(kv, Names.CASCADE_JOB_FAILURES) == 1
+        await kv.reset()
+        assert await kv.lookup(after, "later", timeout=30) == 4
+        assert metric(kv, Names.INTEGRITY_FAILURES) == 0
+
+
 # ------------------------------------------------------------ faults by proxy
 
 
-async def test_throttling_is_retried_until_the_server_accepts(engine_id, moto, bucket):
-    async with ChaosProxy(moto.port) as proxy:
+async def test_throttling_is_retried_until_the_server_accepts(engine_id, s3, bucket):
+    async with ChaosProxy(s3.port) as proxy:
         config = s3_config(engine_id, proxy.endpoint, bucket, retry_attempts=5)
         async with KVTier(config, [kv_tensor()]) as kv:
             proxy.refuse = 3
@@ -428,8 +561,8 @@ async def test_throttling_is_retried_until_the_server_accepts(engine_id, moto, b
             assert await kv.lookup(ks, "reader", timeout=30) == 2
 
 
-async def test_persistent_throttling_fails_the_job_in_bounded_time(engine_id, moto, bucket):
-    async with ChaosProxy(moto.port) as proxy:
+async def test_persistent_throttling_fails_the_job_in_bounded_time(engine_id, s3, bucket):
+    async with ChaosProxy(s3.port) as proxy:
         config = s3_config(engine_id, proxy.endpoint, bucket, retry_attempts=3, job_deadline_s=5)
         async with KVTier(config, [kv_tensor()]) as kv:
             proxy.refuse = 1_000_000
@@ -445,9 +578,9 @@ async def test_persistent_throttling_fails_the_job_in_bounded_time(engine_id, mo
 
 
 async def test_a_server_that_stops_answering_fails_jobs_within_the_read_timeout(
-    engine_id, moto, bucket
+    engine_id, s3, bucket
 ):
-    async with ChaosProxy(moto.port) as proxy:
+    async with ChaosProxy(s3.port) as proxy:
         config = s3_config(
             engine_id,
             proxy.endpoint,
@@ -471,10 +604,10 @@ async def test_a_server_that_stops_answering_fails_jobs_within_the_read_timeout(
 
 
 async def test_a_server_without_conditional_writes_gets_plain_uploads(
-    engine_id, moto, bucket, caplog
+    engine_id, s3, bucket, caplog
 ):
     caplog.set_level(logging.INFO, logger="kvtier")
-    async with ChaosProxy(moto.port) as proxy:
+    async with ChaosProxy(s3.port) as proxy:
         config = s3_config(engine_id, proxy.endpoint, bucket)
         async with KVTier(config, [kv_tensor()]) as kv:
             proxy.no_conditional_writes = True
