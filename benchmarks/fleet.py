@@ -21,7 +21,9 @@ What each run reports:
   primary tier (``KVTier.lookup``), over every request;
 - CPU per GiB: the engines' CPU time over the run (their process's user + system
   time) plus the server's, per GiB through the sharing tier. The engines' share includes
-  serving the requests (computing and checking chunks), the same for every tier;
+  serving the requests (computing and checking chunks), so each fleet size first runs
+  a baseline, ``none``: the same requests without a sharing tier; "sharing" is the CPU
+  time beyond that baseline, per GiB;
 - per engine: established TCP connections (from ``/proc``), the p2p tier's own
   connection gauge, its index (keys peers announced; bytes where the tier reports
   them) and announce traffic, and the tier's other metrics in the JSON.
@@ -54,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet_engine import EngineRun, engine_main
-from fleet_servers import SHARING_TIERS, SharingTier, sharing_tier
+from fleet_servers import BASELINE, SHARING_TIERS, SharingTier, sharing_tier
 
 from kvtier.bench.probe import percentile
 from kvtier.bench.workloads import chain_keys
@@ -86,10 +88,12 @@ class FleetSettings:
     # 64 slots: every engine's primary tier fills up at every fleet size, so a p2p
     # engine announces (and its peers index) as many keys as it can hold.
     primary_bytes: int = 16 * MIB
-    prompts: int = 16
+    # 128 shared chunks, twice a primary tier: the fleet's shared set does not fit
+    # one engine, so a p2p fleet shares only what its engines still hold.
+    prompts: int = 32
     prompt_chunks: int = 4
     suffix_chunks: int = 2
-    requests: int = 384
+    requests: int = 768
     in_flight: int = 2
     lookup_timeout_s: float = 10.0
     seed: int = 0
@@ -415,13 +419,16 @@ def run_sweep(
     workdir: Path,
     progress: Any = None,
 ) -> list[dict[str, Any]]:
-    """Every sharing tier with every fleet size; a run that fails is reported with its
-    error (``error``), one that cannot run here with why (``skipped``)."""
-    entries = [sharing_tier(name) for name in tiers]
+    """Every sharing tier with every fleet size, after the baseline (``none``: the
+    engines serving the same requests without a sharing tier) at that size; a run that
+    fails is reported with its error (``error``), one that cannot run here with why
+    (``skipped``)."""
+    entries = [BASELINE, *(sharing_tier(name) for name in tiers)]
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     say(f"fleet: starting {max(sizes)} engine processes")
     fleet = Fleet(max(sizes))
     results: list[dict[str, Any]] = []
+    baseline: dict[str, Any] = {}
     try:
         for engines in sizes:
             for entry in entries:
@@ -435,12 +442,27 @@ def run_sweep(
                     result = run_once(fleet, entry, engines, settings, workdir)
                 except (RunError, RuntimeError, OSError) as exc:
                     result = {"tier": entry.name, "engines": engines, "error": str(exc)}
+                if entry is BASELINE:
+                    baseline = result
+                elif "per_engine" in result:
+                    result["sharing_cpu_s_per_gib"] = sharing_cpu(result, baseline)
                 results.append(result)
                 outcome = result.get("error") or f"{time.monotonic() - started:.1f} s"
                 say(f"fleet: {entry.name} x {engines}: {outcome}")
     finally:
         fleet.close()
     return results
+
+
+def sharing_cpu(result: Mapping[str, Any], baseline: Mapping[str, Any]) -> float | None:
+    """CPU seconds per GiB through the sharing tier beyond what the engines spent
+    serving the same requests without it (the baseline run of the same fleet size):
+    the engines' and the server's, over GiB into and out of the tier."""
+    moved = result["tier_bytes_read"] + result["tier_bytes_written"]
+    if "engine_cpu_s" not in baseline or not moved:
+        return None
+    extra = result["engine_cpu_s"] + result["server_cpu_s"] - baseline["engine_cpu_s"]
+    return extra / (moved / GIB)
 
 
 # --------------------------------------------------------------------- report
@@ -466,7 +488,7 @@ COLUMNS = (
     "cross-engine hit rate",
     "GB/s in / out",
     "wait ms p50 / p99",
-    "CPU s / GiB",
+    "CPU s / GiB all / sharing",
     "TCP conns / engine",
     "index keys / engine",
     "index KiB / engine",
@@ -488,7 +510,7 @@ def cells(result: Mapping[str, Any]) -> list[str]:
         "-" if rate is None else f"{rate:.1%}",
         f"{_num(result['gbps_in'], 3)} / {_num(result['gbps_out'], 3)}",
         f"{_num(result['wait_p50_ms'], 1)} / {_num(result['wait_p99_ms'], 1)}",
-        _num(result["cpu_s_per_gib"], 1),
+        f"{_num(result['cpu_s_per_gib'], 1)} / {_num(result.get('sharing_cpu_s_per_gib'), 1)}",
         _num(_per_engine(result, "tcp_connections"), 1),
         _num(_per_engine(result, "indexed_keys"), 0),
         _num(None if index_bytes is None else index_bytes / KIB, 1),
@@ -508,6 +530,7 @@ def title(settings: FleetSettings) -> str:
 
 def report(results: Sequence[Mapping[str, Any]], settings: FleetSettings) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     # Eleven columns: wider than a terminal's default 80 when stdout is a file.
@@ -518,14 +541,16 @@ def report(results: Sequence[Mapping[str, Any]], settings: FleetSettings) -> Non
     for result in results:
         row = cells(result)
         if len(row) < len(COLUMNS):
-            row[-1] = f"[dim]{row[-1]}[/]"
+            # The first engine's error says it; the JSON has them all.
+            row[-1] = f"[dim]{escape(row[-1].split('; ')[0][:160])}[/]"
         table.add_row(*row)
     console.print(table)
     console.print(
         "cross-engine hit rate: chunks another engine held (by an earlier wave) and the "
         "requesting engine never had, found through the sharing tier. GB/s: cascaded "
         "into the sharing tier / promoted out of it, all engines, over the run. CPU: "
-        "engines + server, per GiB in and out. announce B / request: p2p announce "
+        "engines + server per GiB in and out; sharing: less the engines' CPU without a "
+        "sharing tier (none). announce B / request: p2p announce "
         "traffic an engine sent and received, per request it served.",
         style="dim",
         highlight=False,

@@ -45,7 +45,8 @@ class EngineRun:
 
     #: The run's model name: a namespace of its own, so no run reads an earlier one's.
     model: str
-    tier: dict[str, Any]
+    #: The sharing tier's mapping; None: no secondary tier (the CPU baseline).
+    tier: dict[str, Any] | None
     chunk_bytes: int
     primary_bytes: int
     #: Requests at once, each of at most ``max_prompt_chunks`` chunks (its GPU blocks).
@@ -147,7 +148,8 @@ class _EngineProcess:
     async def _open(self, run: EngineRun) -> str | None:
         await self._close()
         self.run = run
-        extra = {"cpu_bytes_to_use": run.primary_bytes, "secondary_tiers": [run.tier]}
+        tiers = [] if run.tier is None else [run.tier]
+        extra = {"cpu_bytes_to_use": run.primary_bytes, "secondary_tiers": tiers}
         config = OffloadingConfig(
             engine_id=f"fleet{self.index}-{uuid.uuid4().hex[:8]}",
             kv_bytes_per_block=run.chunk_bytes,
@@ -164,10 +166,8 @@ class _EngineProcess:
         return None if peer is None else peer.listen_address
 
     def _peer_tier(self) -> PeerTier | None:
-        if self.kv is None:
-            return None
-        tier = self.kv.manager.tiers[0]
-        return tier if isinstance(tier, PeerTier) else None
+        tiers = [] if self.kv is None else self.kv.manager.tiers
+        return next((tier for tier in tiers if isinstance(tier, PeerTier)), None)
 
     async def _ready(self, peers: int, timeout: float) -> bool:
         """Wait until a p2p tier reads from ``peers`` peers and serves as many."""
@@ -198,17 +198,20 @@ class _EngineProcess:
         kv.manager.on_schedule_end()
         diagnostics = kv.manager.diagnostics
         stats = diagnostics.tier_stats()
-        label = diagnostics.tier_labels[0]
+        primary = stats[next(iter(stats))]
         established, listening = tcp_sockets()
         figures: dict[str, Any] = {
             "cpu_s": cpu_s,
-            "tier": stats[label],
-            "primary": stats[next(iter(stats))],
+            "tier": {name: 0.0 for name in primary},
+            "primary": primary,
             "tcp_established": established,
             "tcp_listening": listening,
             "rss_bytes": _rss_bytes(),
-            "metrics": self._tier_metrics(str(run.tier["type"])),
+            "metrics": {},
         }
+        if run.tier is not None:
+            figures["tier"] = stats[diagnostics.tier_labels[0]]
+            figures["metrics"] = self._tier_metrics(str(run.tier["type"]))
         peer = self._peer_tier()
         if peer is not None:
             figures["p2p"] = {

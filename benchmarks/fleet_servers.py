@@ -26,6 +26,7 @@ from kvtier.bench import servers
 from kvtier.bench.servers import ACCESS_KEY, SECRET_KEY, free_port, wait_listening
 
 __all__ = [
+    "BASELINE",
     "SHARING_TIERS",
     "ServerProcess",
     "SharedStore",
@@ -116,8 +117,8 @@ class ServerProcess:
 class SharedStore:
     """What one run's engines share: their tier mappings, and the servers behind them."""
 
-    #: The tier mapping of engine ``i`` of ``engines``.
-    tier_for: Callable[[int, int], dict[str, Any]]
+    #: The tier mapping of engine ``i`` of ``engines``; None: no secondary tier.
+    tier_for: Callable[[int, int], dict[str, Any] | None]
     #: Pids of the server processes, for their CPU time.
     pids: list[int] = field(default_factory=list)
 
@@ -149,6 +150,19 @@ def _module_missing(module: str, tier_file: str) -> str | None:
     if importlib.util.find_spec(module) is None:
         return f"kvtier has no {tier_file} tier in this checkout"
     return None
+
+
+# ------------------------------------------------------------------- baseline
+
+
+@contextlib.contextmanager
+def _none(workdir: Path, engines: int, chunk_bytes: int) -> Iterator[SharedStore]:
+    yield SharedStore(lambda index, count: None)
+
+
+#: The engines with no sharing tier: what serving the requests costs them alone, the
+#: CPU time the sharing tiers' runs are set against.
+BASELINE = SharingTier("none", lambda: None, _none)
 
 
 # ------------------------------------------------------------------------- p2p

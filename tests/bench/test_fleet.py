@@ -68,7 +68,10 @@ def test_a_quick_fleet_of_two_finds_chunks_the_other_engine_stored(tmp_path):
     tiers = ["p2p", "fs"] + (["memcached"] if shutil.which("memcached") else [])
     before = set(SHM_DIR.glob("kvtier_fleet*"))
     lines: list[str] = []
-    results = run_sweep(QUICK, [2], tiers, tmp_path, progress=lines.append)
+    baseline, *results = run_sweep(QUICK, [2], tiers, tmp_path, progress=lines.append)
+    # Without a sharing tier the same requests find nothing another engine stored.
+    assert baseline["tier"] == "none" and baseline["cross_engine_eligible"] > 0
+    assert baseline["cross_engine_hits"] == 0 and baseline["tier_bytes_read"] == 0
     assert [r["tier"] for r in results] == tiers
     for result in results:
         assert "error" not in result and "skipped" not in result, result
@@ -81,7 +84,7 @@ def test_a_quick_fleet_of_two_finds_chunks_the_other_engine_stored(tmp_path):
         assert result["integrity_failures"] == result["promotion_failures"] == 0
         assert result["tier_bytes_read"] > 0 and result["gbps"] > 0
         assert 0 <= result["wait_p50_ms"] <= result["wait_p99_ms"] < 1e4
-        assert result["cpu_s_per_gib"] > 0
+        assert result["cpu_s_per_gib"] > 0 and result["sharing_cpu_s_per_gib"] is not None
         assert len(result["per_engine"]) == 2
     p2p, fs = results[0], results[1]
     for engine in p2p["per_engine"]:
