@@ -458,10 +458,10 @@ def sharing_cpu(result: Mapping[str, Any], baseline: Mapping[str, Any]) -> float
     """CPU seconds per GiB through the sharing tier beyond what the engines spent
     serving the same requests without it (the baseline run of the same fleet size):
     the engines' and the server's, over GiB into and out of the tier."""
-    moved = result["tier_bytes_read"] + result["tier_bytes_written"]
+    moved = float(result["tier_bytes_read"] + result["tier_bytes_written"])
     if "engine_cpu_s" not in baseline or not moved:
         return None
-    extra = result["engine_cpu_s"] + result["server_cpu_s"] - baseline["engine_cpu_s"]
+    extra = float(result["engine_cpu_s"] + result["server_cpu_s"] - baseline["engine_cpu_s"])
     return extra / (moved / GIB)
 
 
