@@ -597,6 +597,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--engines: expected comma-separated integers, got {args.engines!r}")
     if any(size < 2 for size in args.sizes):
         parser.error("--engines: a fleet has at least 2 engines")
+    least = {"chunk_kib": 1, "primary_mib": 1, "prompts": 1, "prompt_chunks": 1}
+    least.update({"suffix_chunks": 0, "requests": 1, "in_flight": 1})
+    for option, minimum in least.items():
+        if getattr(args, option) < minimum:
+            parser.error(f"--{option.replace('_', '-')}: expected at least {minimum}")
+    if args.prompt_chunks >= PROMPT_STRIDE:
+        parser.error(f"--prompt-chunks: expected fewer than {PROMPT_STRIDE}")
     args.tier_names = [name.strip() for name in args.tiers.split(",") if name.strip()]
     for name in args.tier_names:
         if name not in SHARING_TIERS:

@@ -54,6 +54,7 @@ def test_a_chunk_another_engine_held_in_an_earlier_wave_is_eligible_once():
         (["--engines", "2,x"], "--engines: expected comma-separated integers"),
         (["--engines", "1"], "--engines: a fleet has at least 2 engines"),
         (["--tiers", "p2p,nfs"], "--tiers: unknown sharing tier 'nfs'"),
+        (["--primary-mib", "0"], "--primary-mib: expected at least 1"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_option(argv, message, capsys):
