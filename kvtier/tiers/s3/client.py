@@ -410,7 +410,8 @@ class S3Client(AsyncResource):
         self, name: str, header: memoryview, row: memoryview, deadline: float, conditional: bool
     ) -> None:
         # "If-None-Match: *" makes a server that supports conditional writes (AWS
-        # since 2024, MinIO, moto) refuse to replace an object; others ignore it.
+        # since 2024, MinIO, SeaweedFS, moto) refuse to replace an object; others
+        # ignore it.
         condition = {"IfNoneMatch": "*"} if conditional else {}
         if len(header) + len(row) >= self.settings.multipart_threshold:
             await self._upload_parts(name, header, row, deadline, condition)

@@ -7,19 +7,22 @@ Layout (see :mod:`kvtier.format`)::
 Each object has the same form as an fs tier file (see :mod:`kvtier.format`): a
 one-page header (magic, version, key, length, checksums) followed by the chunk's
 primary row. S3 makes a PUT visible only once it is complete, so no reader ever sees a
-torn object; every load is still verified before the chunk is reported loaded, and an
-object that is corrupt, truncated, oversize or foreign is a failed load: deleted,
-counted, never served.
+torn object (SeaweedFS keeps an empty one where a PUT's connection closed before its
+body began: the client sends bodies at once, see :mod:`kvtier.tiers.s3.client`);
+every load is still verified before the chunk is reported loaded, and an object that
+is corrupt, truncated, empty, oversize or foreign is a failed load: deleted, counted,
+never served.
 
 Lookups are concurrent HEAD requests, answered from a short-lived cache when it has
 the key: ``contains`` (the scheduler's hot path) probes that cache and nothing else.
 A store skips the keys that cache knows are there. Any other key goes up with
-``If-None-Match: *``: a server with conditional writes (AWS, MinIO, moto) then keeps
-the object already there and the upload counts as skipped, at no extra request; a
-server without them replaces it with the same bytes. ``head_before_store`` asks with a
-HEAD first instead: a HEAD per new chunk cost 15-20% of cascade throughput against a
-CPU-bound server on loopback, to save uploads that a cascade rarely repeats (a chunk
-found in the tier is promoted, not recomputed and stored again).
+``If-None-Match: *``: a server with conditional writes (AWS, MinIO, SeaweedFS, moto)
+then keeps the object already there and the upload counts as skipped, at no extra
+request; a server without them replaces it with the same bytes.
+``head_before_store`` asks with a HEAD first instead: a HEAD per new chunk cost 15-20%
+of cascade throughput against a CPU-bound server on loopback, to save uploads that a
+cascade rarely repeats (a chunk found in the tier is promoted, not recomputed and
+stored again).
 
 Requests, their retries and the job deadline are the client's
 (:mod:`kvtier.tiers.s3.client`); this module decides what to ask for.
