@@ -292,6 +292,7 @@ def run_once(
             finals = fleet.ask({i: ("finish",) for i in ids})
             wall_s = time.perf_counter() - started
             server_cpu = store.server_cpu_s() - server_cpu
+            server_rss = store.server_rss_bytes()
         except EngineSilent:
             raise
         except BaseException:
@@ -299,9 +300,12 @@ def run_once(
                 fleet.ask({i: ("close",) for i in ids})
             raise
         fleet.ask({i: ("close",) for i in ids})
-    return summarize(
+    result = summarize(
         entry.name, engines, served, cross, [finals[i] for i in ids], wall_s, server_cpu
     )
+    # Where a server tier keeps its index: one place, whatever the fleet's size.
+    result["server_rss_mib"] = server_rss / MIB
+    return result
 
 
 def summarize(

@@ -24,6 +24,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from fleet_servers import process_rss_bytes
+
 from kvtier import KVTier, OffloadingConfig
 from kvtier.bench.engine import Engine, copy_engine, kv_caches
 from kvtier.bench.settings import TOKENS_PER_BLOCK, BenchSettings
@@ -89,13 +91,6 @@ def tcp_sockets(pid: int | str = "self") -> tuple[int, int]:
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 class _EngineProcess:
@@ -206,7 +201,7 @@ class _EngineProcess:
             "primary": primary,
             "tcp_established": established,
             "tcp_listening": listening,
-            "rss_bytes": _rss_bytes(),
+            "rss_bytes": process_rss_bytes("self"),
             "metrics": {},
         }
         if run.tier is not None:

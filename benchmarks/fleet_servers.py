@@ -33,6 +33,7 @@ __all__ = [
     "SharingTier",
     "listener_pids",
     "process_cpu_s",
+    "process_rss_bytes",
     "sharing_tier",
 ]
 
@@ -65,6 +66,15 @@ def process_cpu_s(pid: int) -> float:
     fields = stat.rsplit(")", 1)[1].split()
     utime, stime, cutime, cstime = (int(value) for value in fields[11:15])
     return (utime + stime + cutime + cstime) / _CLOCK_TICKS
+
+
+def process_rss_bytes(pid: int | str) -> int:
+    """Resident memory of process ``pid`` (``"self"``: this one); 0 if it is gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 class ServerProcess:
@@ -124,6 +134,9 @@ class SharedStore:
 
     def server_cpu_s(self) -> float:
         return sum(process_cpu_s(pid) for pid in self.pids)
+
+    def server_rss_bytes(self) -> int:
+        return sum(process_rss_bytes(pid) for pid in self.pids)
 
 
 #: Starts a tier's server in a fresh directory for a fleet of the given size and
