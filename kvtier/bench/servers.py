@@ -209,6 +209,11 @@ class SeaweedS3Server:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs."""
+        return self._process.pid if self.running and self._process is not None else None
+
     def command(self) -> list[str]:
         """The command line that starts the server."""
         data = self.root / "data"

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio.to_thread
 import pytest
@@ -420,6 +422,33 @@ async def test_round_trip_through_rclone_serve_s3(engine_id, rclone, tmp_path):
         assert await kv.lookup(ks[:1], "again", timeout=30) == 0
         assert not on_disk.exists()
         assert metric(kv, Names.INTEGRITY_FAILURES) == 1
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The local addresses (as /proc/net writes them) of ``pid``'s listening TCP
+    sockets and its UDP sockets."""
+    inodes = {
+        target[len("socket:[") : -1]
+        for fd in Path(f"/proc/{pid}/fd").iterdir()
+        if (target := os.readlink(fd)).startswith("socket:[")
+    }
+    found = set()
+    # 0A: a TCP socket that listens; 07: a UDP socket.
+    for table, state in (("tcp", "0A"), ("tcp6", "0A"), ("udp", "07"), ("udp6", "07")):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == state and fields[9] in inodes:
+                found.add(f"{table} {fields[1]}")
+    return found
+
+
+def test_seaweedfs_listens_on_127_0_0_1_only(seaweed):
+    assert seaweed.pid is not None
+    found = listening_addresses(seaweed.pid)
+    # The S3 gateway, and the master, volume server and filer (HTTP and gRPC each),
+    # all on 127.0.0.1 (little-endian hex), none on IPv6 or UDP.
+    expected = {f"tcp 0100007F:{port:04X}" for port in (seaweed.port, *seaweed.ports.values())}
+    assert found == expected
 
 
 #: Runs a test against each real server binary (each has a bucket ``kvtier``).
