@@ -21,11 +21,16 @@ are one ``batch_is_exist`` per batch.
 Mooncake's client blocks, so every call runs in the tier's own I/O threads
 (:mod:`kvtier.tiers._threads`, as the fs tier's reads and writes do): a job whose call
 hangs (a master gone, a node gone) is failed by the framework at its ``job_timeout_s``,
-and the slots its thread still holds stay quarantined until the call returns; the
-thread keeps the job's rows referenced for exactly as long as the client may touch
-them. A node that lent the segment holding a chunk and went away turns that chunk's
-load into a failed transfer, which is a counted miss; a chunk whose object has the
-wrong length or fails verification is counted, removed and never served.
+and the slots its thread still holds stay quarantined until the call returns (the
+thread keeps the job's rows referenced until then). A node that lent the segment
+holding a chunk and went away turns that chunk's load into a failed transfer, which is
+a counted miss; a chunk whose object has the wrong length or fails verification is
+counted, removed and never served.
+
+One case stays open: Mooncake's own clients warn that a transfer its engine timed out
+(``MC_TRANSFER_TIMEOUT``) may still move bytes after the call returned, and the
+framework quarantines only the slots of jobs it timed out itself, not those of a job
+that returned a failure.
 
 Configuration (the keys of Mooncake's own ``mooncake.json``, which ``config_path`` or
 the ``MOONCAKE_CONFIG_PATH`` environment variable may name instead)::
@@ -112,16 +117,29 @@ SETUP_TIMEOUT_S = 60.0
 CLOSE_WAIT_S = 30.0
 
 PROTOCOLS = ("tcp", "rdma")
+# The client refuses to lend a segment smaller than this ("Total size must be at least
+# 16777216"), failing its setup.
+MIN_SEGMENT_BYTES = 16 * MIB
 
-# Mooncake Store's error codes that the tier tells apart (its ErrorCode enum).
+# Mooncake Store's error codes (its ErrorCode enum, mooncake-store/include/types.h).
+NO_AVAILABLE_HANDLE = -200
+INVALID_PARAMS = -600
+REPLICA_IS_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
 _ERROR_NAMES = {
-    -200: "NO_AVAILABLE_HANDLE",
-    -600: "BUFFER_OVERFLOW",
-    -704: "OBJECT_NOT_FOUND",
+    -1: "INTERNAL_ERROR",
+    NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE (the pool has no room)",
+    INVALID_PARAMS: "INVALID_PARAMS",
+    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",
+    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
     -706: "OBJECT_HAS_LEASE",
-    -800: "TRANSFER_FAIL",
-    -900: "RPC_FAIL",
+    -707: "LEASE_EXPIRED",
+    TRANSFER_FAIL: "TRANSFER_FAIL",
+    RPC_FAIL: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
 }
 # What a load found for a chunk besides a problem ChunkFormat.verify names.
 _MISSING = "missing"
@@ -261,6 +279,13 @@ def _read_shared(reader: ConfigReader) -> dict[str, Any]:
         "local_buffer_size": reader.integer("local_buffer_size", None, minimum=0),
     }
     values.update((key, value) for key, value in read.items() if value is not None)
+    segment = values.get("global_segment_size", 0)
+    if 0 < segment < MIN_SEGMENT_BYTES:
+        raise ConfigError(
+            reader.path_of("global_segment_size"),
+            f"Mooncake lends segments of at least {MIN_SEGMENT_BYTES} bytes (16 MiB), or 0 "
+            f"to lend none; got {segment}",
+        )
     return values
 
 
@@ -461,8 +486,8 @@ class MooncakeTier(SecondaryTier):
         client, self._client = self._client, None
         if client is None:
             return
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._close_client, client)
+        # Cancelled, the thread still closes the client once no call runs in it.
+        await anyio.to_thread.run_sync(self._close_client, client, abandon_on_cancel=True)
 
     def _close_client(self, client: Any) -> None:
         """Close the client once no call runs in it. Runs in a thread."""
@@ -603,9 +628,8 @@ class MooncakeTier(SecondaryTier):
                 if size == expected:
                     offset = (len(self.ctx.primary_view) + chunk_id) * HEADER_BYTES
                     # The bytes in the slot are served only once they match the header.
-                    found.append(
-                        self._format.verify(headers[offset : offset + HEADER_BYTES], key, row)
-                    )
+                    header = headers[offset : offset + HEADER_BYTES]
+                    found.append(self._format.verify(header, key, row))
                 elif size == OBJECT_NOT_FOUND:
                     found.append(_MISSING)
                 else:

@@ -24,6 +24,7 @@ from kvtier.metrics import MetricsRecorder, Names
 from kvtier.records import HitSource, Medium
 from kvtier.region import PrimaryView
 from kvtier.tiers.base import TierContext, TransferJob
+from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.tiers.mooncake import (
     CONFIG_PATH_VARIABLE,
     DEFAULT_GLOBAL_SEGMENT_SIZE,
@@ -94,6 +95,7 @@ def test_the_tier_is_remote_memory_and_its_hits_come_from_an_external_store():
         ({"protocol": "udp"}, "protocol", "expected one of rdma, tcp"),
         ({"device_name": 3}, "device_name", "expected a string"),
         ({"global_segment_size": -1}, "global_segment_size", ">= 0"),
+        ({"global_segment_size": 1 << 20}, "global_segment_size", "at least 16777216"),
         ({"global_segment_size": "4GB"}, "global_segment_size", "expected an integer"),
         ({"local_buffer_size": 1.5}, "local_buffer_size", "expected an integer"),
         ({"io_threads": 0}, "io_threads", ">= 1"),
@@ -103,6 +105,11 @@ def test_the_tier_is_remote_memory_and_its_hits_come_from_an_external_store():
 def test_a_bad_parameter_is_named_by_its_path(params, key, message):
     with pytest.raises(ConfigError, match=rf"^secondary_tiers\[0\]\.{key}: .*{message}"):
         MooncakeSettings.from_params(params, PATH)
+
+
+def test_the_registry_builds_mooncake_with_these_settings():
+    assert SecondaryTierFactory.get_tier_class({"type": "mooncake"}) is MooncakeTier
+    assert MooncakeTier.settings_class is MooncakeSettings
 
 
 def test_the_defaults_and_the_derived_values_are_filled_in_once():
