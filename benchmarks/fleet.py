@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -55,7 +56,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from fleet_engine import EngineRun, engine_main
+from fleet_engine import ENGINE_ENVIRONMENT, EngineRun, engine_main
 from fleet_servers import BASELINE, SHARING_TIERS, SharingTier, sharing_tier
 
 from kvtier.bench.probe import percentile
@@ -141,6 +142,19 @@ class EngineSilent(Exception):
 # -------------------------------------------------------------------- the fleet
 
 
+@contextlib.contextmanager
+def engine_environment() -> Iterator[None]:
+    """:data:`ENGINE_ENVIRONMENT` in this process's environment while the engines
+    start (they inherit it), as it was again afterwards."""
+    added = {k: v for k, v in ENGINE_ENVIRONMENT.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 class Fleet:
     """Engine processes, started once and reused run after run (torch imports once)."""
 
@@ -148,6 +162,11 @@ class Fleet:
         spawn = multiprocessing.get_context("spawn")
         self.processes: list[BaseProcess] = []
         self.conns: list[Connection] = []
+        with engine_environment():
+            self._start(spawn, count)
+        self.ask({i: None for i in range(count)}, START_TIMEOUT_S)
+
+    def _start(self, spawn: Any, count: int) -> None:
         for index in range(count):
             ours, theirs = spawn.Pipe()
             process = spawn.Process(
@@ -158,7 +177,6 @@ class Fleet:
             theirs.close()
             self.processes.append(process)
             self.conns.append(ours)
-        self.ask({i: None for i in range(count)}, START_TIMEOUT_S)
 
     @property
     def pids(self) -> list[int]:

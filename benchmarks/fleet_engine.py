@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import resource
 import time
 import uuid
@@ -33,7 +32,12 @@ from kvtier.bench.workloads import BenchRequest
 from kvtier.specs.factory import with_spec_name
 from kvtier.tiers.p2p import PeerTier
 
-__all__ = ["EngineRun", "engine_main", "tcp_sockets"]
+__all__ = ["ENGINE_ENVIRONMENT", "EngineRun", "engine_main", "tcp_sockets"]
+
+#: Set for the engine processes (only where the environment does not say otherwise).
+#: Mooncake's transfer engine listens on the first active interface unless told
+#: otherwise, and the engines would send each other chunks there: loopback only.
+ENGINE_ENVIRONMENT = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
 # The coordinator hears nothing for this long: it has gone, and so does the engine.
 IDLE_TIMEOUT_S = 900.0
@@ -59,10 +63,6 @@ class EngineRun:
 
 def engine_main(index: int, conn: Connection) -> None:
     """The process body: obey ``conn`` until told to exit or the coordinator goes."""
-    # Mooncake's client logs every connection and lookup miss to stderr through glog
-    # (read from the environment when its library loads): sixteen engines' worth would
-    # bury the benchmark's output. The tier counts and reports its failures itself.
-    os.environ.setdefault("GLOG_minloglevel", "3")
     conn.send(("ok", "started"))
     with contextlib.suppress(EOFError, KeyboardInterrupt):
         asyncio.run(_EngineProcess(index, conn).serve())
