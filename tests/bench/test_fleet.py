@@ -3,11 +3,15 @@ a quick sweep of real engine processes sharing through p2p, fs and memcached."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 from fleet import QUICK, CrossEngine, FleetRequest, build_requests, parse_args, run_sweep
+from fleet_engine import tcp_sockets
+from fleet_servers import listener_pids, process_cpu_s, process_rss_bytes
 
 from kvtier.bench.workloads import chain_keys
 
@@ -62,6 +66,25 @@ def test_bad_arguments_are_refused_naming_the_option(argv, message, capsys):
         parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_tcp_sockets_counts_this_process_s_connections_and_listeners():
+    established, listening = tcp_sockets()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = server.accept()
+            with accepted:
+                # Both ends of a loopback connection are this process's.
+                assert tcp_sockets() == (established + 2, listening + 1)
+                assert listener_pids(port) == [os.getpid()]
+    assert tcp_sockets() == (established, listening)
+
+
+def test_process_figures_read_proc():
+    assert process_cpu_s(os.getpid()) > 0
+    assert process_rss_bytes("self") > 1 << 20
+    assert process_cpu_s(1 << 30) == 0.0 and process_rss_bytes(1 << 30) == 0  # no such pid
 
 
 @pytest.mark.slow
