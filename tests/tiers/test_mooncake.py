@@ -185,13 +185,16 @@ async def test_start_names_the_master_when_nothing_answers():
 # ------------------------------------------------------------ a real master
 
 
-async def test_a_damaged_object_is_counted_removed_and_never_served():
+async def test_a_damaged_object_is_counted_removed_and_never_served_by_a_fixed_depth():
     async with MooncakeMaster() as master, RawStore(master) as raw:
         ctx = context()
         params = {k: v for k, v in mooncake_tier(master).items() if k != "type"}
-        mooncake = tier(ctx, **params)
+        mooncake = tier(ctx, **params, io_threads=3)
         await mooncake.start()
         try:
+            for direction in ("read", "write"):
+                labels = {"tier": ctx.tier_name, "direction": direction}
+                assert ctx.metrics.sample(Names.TIER_IO_DEPTH, labels) == 3
             ks = keys("damaged", 3)
             for slot in range(3):
                 ctx.primary_view[slot][:] = bytes([slot + 1]) * CHUNK
