@@ -19,6 +19,7 @@ from mooncake_server import SEGMENT_BYTES, MooncakeMaster, RawStore, mooncake_ti
 
 from kvtier import ConfigError, KVTier
 from kvtier.bench.servers import free_port
+from kvtier.cli import main
 from kvtier.format import HEADER_BYTES
 from kvtier.metrics import MetricsRecorder, Names
 from kvtier.records import HitSource, Medium
@@ -169,6 +170,30 @@ def test_checking_a_configuration_opens_no_file_and_building_names_a_bad_one(tmp
     bad.write_text(json.dumps({"protocol": "carrier-pigeon"}))
     with pytest.raises(ConfigError, match=r"config_path\[.*mooncake\.json\]\.protocol: expected"):
         MooncakeTier.settings_for(context(), {"config_path": str(bad)})
+
+
+def test_kvtier_plan_shows_every_effective_value_the_file_s_included(tmp_path, capsys):
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "10.0.0.9:50051"}))
+    tiers = [{"type": "mooncake", "config_path": str(path), "local_hostname": "10.0.0.5"}]
+    args = ["plan", "--kv-bytes-per-block", str(CHUNK), "--json"]
+    args += ["--set", "spec_name=TieringOffloadingSpec", "--set", f"cpu_bytes_to_use={8 * CHUNK}"]
+    assert main([*args, "--set", f"secondary_tiers={json.dumps(tiers)}"]) == 0
+    [plan] = json.loads(capsys.readouterr().out)["tiers"]
+    assert plan["settings"] == {
+        "master_server_address": "10.0.0.9:50051",
+        "metadata_server": "http://127.0.0.1:8080/metadata",
+        "local_hostname": "10.0.0.5",
+        "protocol": "tcp",
+        "device_name": "",
+        "global_segment_size": DEFAULT_GLOBAL_SEGMENT_SIZE,
+        "local_buffer_size": 16 << 20,
+        "config_path": str(path),
+        "io_threads": 4,
+        "connect_timeout_s": 2.0,
+        "job_deadline_s": 20.0,
+        "object_bytes": HEADER_BYTES + CHUNK,
+    }
 
 
 async def test_start_names_the_master_when_nothing_answers():
