@@ -10,9 +10,10 @@ A damaged object is written over the tier's own by a client of the test's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -25,8 +26,8 @@ from kvtier.keys import OffloadKey
 from kvtier.testing import Stall, TierContract
 from kvtier.tiers.mooncake import MooncakeTier
 
-# Each test starts a master and two clients; closing a client that lends a segment
-# takes about 2 s (it unmounts the segment), so the module runs for over a minute.
+# Each test sets up two clients, and closing one that lends a segment takes about 2 s
+# (it unmounts the segment): the module runs for about a minute.
 pytestmark = pytest.mark.slow
 
 # A held call gives up after this long, so that a test that never lets it go cannot
@@ -69,12 +70,27 @@ class HeldClient:
         return held
 
 
+@pytest.fixture(scope="module")
+def master() -> Iterator[MooncakeMaster]:
+    """One master for the module's tests (each test's keys are its own): starting and
+    stopping one takes about 2 s."""
+    master = MooncakeMaster()
+    asyncio.run(master.__aenter__())
+    try:
+        yield master
+    finally:
+        asyncio.run(master.__aexit__(None, None, None))
+
+
 class TestMooncakeContract(TierContract):
     clears = False  # a namespace's objects cannot be listed
 
-    async def tier_config(self) -> Mapping[str, Any]:
-        self.master = await self.resources.enter_async_context(MooncakeMaster())
+    @pytest.fixture(autouse=True)
+    def _master(self, master: MooncakeMaster) -> None:
+        self.master = master
         self._raw: RawStore | None = None
+
+    async def tier_config(self) -> Mapping[str, Any]:
         return mooncake_tier(self.master)
 
     async def raw(self) -> RawStore:
