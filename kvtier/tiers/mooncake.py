@@ -24,8 +24,11 @@ hangs (a master gone, a node gone) is failed by the framework at its ``job_timeo
 and the slots its thread still holds stay quarantined until the call returns (the
 thread keeps the job's rows referenced until then). A node that lent the segment
 holding a chunk and went away turns that chunk's load into a failed transfer, which is
-a counted miss; a chunk whose object has the wrong length or fails verification is
-counted, removed and never served.
+a counted miss; one that stops answering fails it once Mooncake's TCP transport sees
+no progress for ``tcp_progress_timeout_s`` (the tier's ``job_deadline_s`` unless the
+environment says otherwise), well before the framework's time-out. A chunk whose
+object has the wrong length or fails verification is counted, removed and never
+served.
 
 One case stays open: Mooncake's own clients warn that a transfer its engine timed out
 (``MC_TRANSFER_TIMEOUT``) may still move bytes after the call returned, and the
@@ -79,6 +82,7 @@ from kvtier.tiers.kit import (
 
 __all__ = [
     "CONFIG_PATH_VARIABLE",
+    "PROGRESS_TIMEOUT_VARIABLE",
     "MooncakeError",
     "MooncakeSettings",
     "MooncakeTier",
@@ -89,6 +93,10 @@ logger = logging.getLogger(__name__)
 
 #: The environment variable Mooncake's own integrations read a ``mooncake.json`` from.
 CONFIG_PATH_VARIABLE = "MOONCAKE_CONFIG_PATH"
+#: The environment variable of Mooncake's TCP transport that says how many seconds a
+#: transfer may make no progress before it fails (30 by default: a node that stopped
+#: answering held a load that long here).
+PROGRESS_TIMEOUT_VARIABLE = "MC_TCP_PROGRESS_TIMEOUT_SEC"
 
 MIB = 1 << 20
 # mooncake_master's own default RPC port, and the port of the metadata server it runs
@@ -200,6 +208,12 @@ class MooncakeSettings:
     #: The size of a chunk's object (header + primary row). Not a parameter: derived
     #: from the engine's chunk size.
     object_bytes: int | None = derived_field()
+    #: Seconds Mooncake's TCP transport lets a transfer make no progress before it
+    #: fails it: ``MC_TCP_PROGRESS_TIMEOUT_SEC`` where the environment sets it, else
+    #: ``job_deadline_s`` (whole seconds, at least 1), which the tier puts in the
+    #: environment before its client starts, so that a node that stops answering is a
+    #: miss within the deadline. Not a parameter.
+    tcp_progress_timeout_s: int | None = derived_field()
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], path: str) -> MooncakeSettings:
@@ -239,7 +253,11 @@ class MooncakeSettings:
             for key in _DEFAULTS
         }
         return replace(
-            self, **shared, object_bytes=HEADER_BYTES + chunk_bytes, job_deadline_s=deadline
+            self,
+            **shared,
+            object_bytes=HEADER_BYTES + chunk_bytes,
+            job_deadline_s=deadline,
+            tcp_progress_timeout_s=_progress_timeout(deadline, path),
         )
 
 
@@ -254,6 +272,19 @@ _DEFAULTS: dict[str, Any] = {
     "global_segment_size": DEFAULT_GLOBAL_SEGMENT_SIZE,
     "local_buffer_size": DEFAULT_LOCAL_BUFFER_SIZE,
 }
+
+
+def _progress_timeout(deadline: float, path: str) -> int:
+    """The TCP progress timeout the client will run with (see the settings' field)."""
+    given = os.environ.get(PROGRESS_TIMEOUT_VARIABLE)
+    if given is None:
+        return max(1, int(deadline))
+    if not given.strip().isdigit() or int(given) < 1:
+        raise ConfigError(
+            f"{path} (environment)",
+            f"{PROGRESS_TIMEOUT_VARIABLE} must be a whole number of seconds, got {given!r}",
+        )
+    return int(given)
 
 
 def _read_shared(reader: ConfigReader) -> dict[str, Any]:
@@ -401,8 +432,12 @@ class MooncakeTier(SecondaryTier):
         await self._check_reachable()
         self._reads.start()
         self._writes.start()
-        client = MooncakeDistributedStore()
         settings = self.settings
+        if settings.protocol == "tcp" and PROGRESS_TIMEOUT_VARIABLE not in os.environ:
+            # Read by the client's transport when it sets up; process-wide, so the
+            # first mooncake tier of a process decides it for the others.
+            os.environ[PROGRESS_TIMEOUT_VARIABLE] = str(settings.tcp_progress_timeout_s)
+        client = MooncakeDistributedStore()
         # setup holds the GIL throughout (the loop stood still for its 0.05 s here);
         # the thread at least lets a start that takes too long be given up.
         try:

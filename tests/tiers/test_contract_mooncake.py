@@ -24,7 +24,7 @@ from kvtier import KVTier
 from kvtier.format import HEADER_BYTES
 from kvtier.keys import OffloadKey
 from kvtier.testing import Stall, TierContract
-from kvtier.tiers.mooncake import MooncakeTier
+from kvtier.tiers.mooncake import PROGRESS_TIMEOUT_VARIABLE, MooncakeTier
 
 # Each test sets up two clients, and closing one that lends a segment takes about 2 s
 # (it unmounts the segment): the module runs for about a minute.
@@ -86,7 +86,9 @@ class TestMooncakeContract(TierContract):
     clears = False  # a namespace's objects cannot be listed
 
     @pytest.fixture(autouse=True)
-    def _master(self, master: MooncakeMaster) -> None:
+    def _master(self, master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch) -> None:
+        # The progress timeout the tiers put in the environment goes after each test.
+        monkeypatch.delenv(PROGRESS_TIMEOUT_VARIABLE, raising=False)
         self.master = master
         self._raw: RawStore | None = None
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
 import time
 from typing import Any
 
@@ -29,6 +31,7 @@ from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.tiers.mooncake import (
     CONFIG_PATH_VARIABLE,
     DEFAULT_GLOBAL_SEGMENT_SIZE,
+    PROGRESS_TIMEOUT_VARIABLE,
     MooncakeSettings,
     MooncakeTier,
 )
@@ -47,8 +50,11 @@ def anyio_backend():
 
 
 @pytest.fixture(autouse=True)
-def _no_config_file_from_the_environment(monkeypatch):
+def _clean_environment(monkeypatch):
+    """No mooncake.json from the environment; the progress timeout a tier puts there
+    is taken out again after each test."""
     monkeypatch.delenv(CONFIG_PATH_VARIABLE, raising=False)
+    monkeypatch.delenv(PROGRESS_TIMEOUT_VARIABLE, raising=False)
 
 
 def context(chunks: int = 4, *, job_timeout_s: float = 30.0) -> TierContext:
@@ -124,6 +130,17 @@ def test_the_defaults_and_the_derived_values_are_filled_in_once():
     assert settings.job_deadline_s == pytest.approx(8.0)  # two thirds of job_timeout_s
 
 
+def test_the_transport_s_progress_timeout_follows_the_deadline_unless_the_environment_sets_it(
+    monkeypatch,
+):
+    assert MooncakeTier.settings_for(context(), {"job_deadline_s": 7.5}).tcp_progress_timeout_s == 7
+    monkeypatch.setenv(PROGRESS_TIMEOUT_VARIABLE, "45")
+    assert MooncakeTier.settings_for(context(), {}).tcp_progress_timeout_s == 45
+    monkeypatch.setenv(PROGRESS_TIMEOUT_VARIABLE, "soon")
+    with pytest.raises(ConfigError, match=rf"{PROGRESS_TIMEOUT_VARIABLE} must be a whole number"):
+        MooncakeTier.settings_for(context(), {})
+
+
 def test_a_deadline_at_or_beyond_the_job_timeout_is_refused():
     with pytest.raises(ConfigError, match=r"^secondary_tiers\[0\]\.job_deadline_s: must be below"):
         MooncakeTier.settings_for(context(job_timeout_s=5.0), {"job_deadline_s": 5})
@@ -193,6 +210,7 @@ def test_kvtier_plan_shows_every_effective_value_the_file_s_included(tmp_path, c
         "connect_timeout_s": 2.0,
         "job_deadline_s": 20.0,
         "object_bytes": HEADER_BYTES + CHUNK,
+        "tcp_progress_timeout_s": 20,
     }
 
 
@@ -344,6 +362,49 @@ async def test_the_node_lending_a_chunks_segment_killed_is_a_counted_miss_withou
                 assert torch.count_nonzero(cache[40:44]) == 0, "bytes of a lost chunk were served"
                 assert failures(kv, Names.PROMOTION_JOB_FAILURES) >= 1
                 assert failures(kv, Names.INTEGRITY_FAILURES) == 0
+        finally:
+            lender.kill()
+            lender.join(WAIT_S)
+
+
+@pytest.mark.slow
+async def test_a_node_that_stops_answering_is_a_miss_within_the_deadline_then_serves_again(
+    engine_id,
+):
+    async with MooncakeMaster() as master:
+        lender, conn = _spawn(
+            mooncake_procs.lend_segment, master.address, master.metadata_server, SEGMENT_BYTES
+        )
+        try:
+            assert await _answer(conn, "set up") == ("ready", 0)
+            # The deadline far below the framework's time-out: the tier's transport ends
+            # the stalled transfer itself (so the framework never gives the job up).
+            tier_params = mooncake_tier(
+                master, global_segment_size=0, job_deadline_s=2, job_timeout_s=30
+            )
+            config = tiering_config(engine_id, [tier_params], chunks=8, kv_bytes_per_block=CHUNK)
+            cache = torch.randint(
+                0, 256, (64, CHUNK), dtype=torch.uint8, generator=torch.Generator().manual_seed(6)
+            )
+            async with KVTier(config, [cache]) as kv:
+                stored = keys("paused", 4)
+                await store_all(kv, stored)
+                await kv.reset()
+                os.kill(lender.pid, signal.SIGSTOP)
+                try:
+                    cache[40:44] = 0
+                    assert await kv.lookup(stored, "paused", timeout=WAIT_S) == 0
+                    kv.finish("paused")
+                    assert torch.count_nonzero(cache[40:44]) == 0
+                    assert failures(kv, Names.PROMOTION_JOB_FAILURES) >= 1
+                    assert failures(kv, Names.LATE_COMPLETIONS) == 0, "the framework timed it out"
+                finally:
+                    os.kill(lender.pid, signal.SIGCONT)
+                await kv.reset()
+                assert await kv.lookup(stored, "resumed", timeout=WAIT_S) == 4
+                assert await kv.load(stored, [40, 41, 42, 43], "resumed") == 4
+                kv.finish("resumed")
+                assert torch.equal(cache[40:44], cache[0:4])
         finally:
             lender.kill()
             lender.join(WAIT_S)
