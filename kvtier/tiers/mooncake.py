@@ -31,9 +31,9 @@ object has the wrong length or fails verification is counted, removed and never
 served.
 
 One case stays open: Mooncake's own clients warn that a transfer its engine timed out
-(``MC_TRANSFER_TIMEOUT``) may still move bytes after the call returned, and the
-framework quarantines only the slots of jobs it timed out itself, not those of a job
-that returned a failure.
+may still move bytes after the call returned (a node stopped past the progress timeout
+and resumed wrote nothing late here), and the framework quarantines only the slots of
+jobs it timed out itself, not those of a job that returned a failure.
 
 Configuration (the keys of Mooncake's own ``mooncake.json``, which ``config_path`` or
 the ``MOONCAKE_CONFIG_PATH`` environment variable may name instead)::
