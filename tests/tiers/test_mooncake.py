@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from typing import Any
 
@@ -223,6 +224,18 @@ async def test_start_names_the_master_when_nothing_answers():
         await mooncake.start()
     assert time.monotonic() - started < WAIT_S
     await mooncake.aclose()
+
+
+async def test_start_names_the_metadata_server_when_it_does_not_answer():
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a master that accepts
+        master = f"127.0.0.1:{listener.getsockname()[1]}"
+        metadata = f"http://127.0.0.1:{free_port()}/metadata"
+        mooncake = tier(context(), master_server_address=master, metadata_server=metadata)
+        with pytest.raises(
+            ConfigError, match=r"^secondary_tiers\[0\]\.metadata_server: nothing answers"
+        ):
+            await mooncake.start()
+        await mooncake.aclose()
 
 
 # ------------------------------------------------------------ a real master
