@@ -47,12 +47,17 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, RedisClusterException, ResponseError
+
+try:
+    from redis.asyncio import Redis
+    from redis.asyncio.client import Pipeline
+    from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import AuthenticationError, RedisClusterException, ResponseError
+except ImportError as exc:  # the registry's error names the tier's type key
+    hint = "the redis tier needs redis-py: pip install 'kvtier[redis]'"
+    raise ImportError(f"{hint} ({exc})") from exc
 
 from kvtier.errors import KVTierError
 from kvtier.format import HEADER_BYTES, ChunkFormat, namespace_directory

@@ -9,9 +9,11 @@ added without a line in the tables below fails them.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import pickle
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,10 @@ from kvtier.tiers._depth import DepthRange
 from kvtier.tiers.example import ExampleSettings, ExampleTier
 from kvtier.tiers.fs import FileSystemTier, FsSettings
 from kvtier.tiers.kit import Secret, is_derived
+from kvtier.tiers.memcached import MemcachedSettings
+from kvtier.tiers.mooncake import MooncakeSettings
+from kvtier.tiers.p2p import PeerSettings
+from kvtier.tiers.redis import RedisSettings
 from kvtier.tiers.s3 import S3Settings, S3Tier
 
 PATH = "secondary_tiers[0]"
@@ -322,12 +328,25 @@ def test_s3_chunk_objects_must_fit_the_part_limit():
 # --------------------------------------------------------- tiers use them
 
 
-@pytest.mark.parametrize(
-    ("name", "settings_class"),
-    [("example", ExampleSettings), ("fs", FsSettings), ("s3", S3Settings), ("obj", S3Settings)],
-)
+BUILT_IN_SETTINGS = {
+    "example": ExampleSettings,
+    "fs": FsSettings,
+    "s3": S3Settings,
+    "obj": S3Settings,
+    "p2p": PeerSettings,
+    "memcached": MemcachedSettings,
+    "redis": RedisSettings,
+    "mooncake": MooncakeSettings,
+}
+
+
+@pytest.mark.parametrize(("name", "settings_class"), BUILT_IN_SETTINGS.items())
 def test_every_built_in_tier_names_its_settings(name, settings_class):
     assert SecondaryTierFactory.get_tier_class({"type": name}).settings_class is settings_class
+
+
+def test_the_built_in_tiers_above_are_all_the_registered_ones():
+    assert sorted(SecondaryTierFactory.names()) == sorted(BUILT_IN_SETTINGS)
 
 
 def test_check_params_validates_a_configuration_without_building_anything(tmp_path):
@@ -358,3 +377,12 @@ def test_a_built_tier_holds_the_settings_its_parameters_give(engine_id, tmp_path
         )
     finally:
         spec.shutdown()
+
+
+def test_the_redis_tier_without_redis_py_names_the_extra_to_install(monkeypatch):
+    for module in {"redis", *(name for name in sys.modules if name.startswith("redis."))}:
+        monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "kvtier.tiers.redis")
+    # The registry wraps this in a ConfigError naming secondary_tiers[i].type.
+    with pytest.raises(ImportError, match=r"pip install 'kvtier\[redis\]'"):
+        importlib.import_module("kvtier.tiers.redis")
