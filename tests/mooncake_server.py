@@ -51,13 +51,13 @@ def require_mooncake() -> str:
         import mooncake.store  # noqa: F401
     except (ImportError, OSError) as exc:
         pytest.skip(
-            f"Mooncake's client cannot load ({exc}): pip install 'kvtier[mooncake]' "
+            f"Mooncake's client cannot load ({exc}): pip install '.[mooncake]' "
             "(Debian also needs libibverbs1)"
         )
     beside = Path(sys.executable).parent / "mooncake_master"
     binary = str(beside) if beside.exists() else shutil.which("mooncake_master")
     if binary is None:
-        pytest.skip("mooncake_master is not installed: pip install 'kvtier[mooncake]'")
+        pytest.skip("mooncake_master is not installed: pip install '.[mooncake]'")
     return binary
 
 

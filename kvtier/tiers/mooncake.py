@@ -426,8 +426,9 @@ class MooncakeTier(SecondaryTier):
         except ImportError as exc:
             raise ConfigError(
                 f"{path}.type",
-                f"Mooncake's client cannot be imported ({exc}): pip install 'kvtier[mooncake]' "
-                "(or mooncake-transfer-engine on a CUDA node)",
+                f"Mooncake's client cannot be imported ({exc}): pip install "
+                "mooncake-transfer-engine-non-cuda (kvtier's extra mooncake), or "
+                "mooncake-transfer-engine on a CUDA node",
             ) from None
         await self._check_reachable()
         self._reads.start()

@@ -56,7 +56,7 @@ try:
     from redis.backoff import NoBackoff
     from redis.exceptions import AuthenticationError, RedisClusterException, ResponseError
 except ImportError as exc:  # the registry's error names the tier's type key
-    hint = "the redis tier needs redis-py: pip install 'kvtier[redis]'"
+    hint = "the redis tier needs redis-py: pip install 'redis>=5.0.1' (kvtier's extra redis)"
     raise ImportError(f"{hint} ({exc})") from exc
 
 from kvtier.errors import KVTierError

@@ -384,5 +384,5 @@ def test_the_redis_tier_without_redis_py_names_the_extra_to_install(monkeypatch)
         monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
     monkeypatch.delitem(sys.modules, "kvtier.tiers.redis")
     # The registry wraps this in a ConfigError naming secondary_tiers[i].type.
-    with pytest.raises(ImportError, match=r"pip install 'kvtier\[redis\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'redis>=5.0.1' \(kvtier's extra redis\)"):
         importlib.import_module("kvtier.tiers.redis")
