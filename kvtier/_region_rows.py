@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections.abc import Iterator
@@ -60,6 +61,17 @@ class PrimaryView:
             entry = self._refs.pop(id(ref), None)
             if entry is not None:
                 self._live[entry[1]] -= 1
+
+    def memory_range(self) -> tuple[int, int]:
+        """The address of the region's first row and the length of all rows: row
+        ``chunk_id`` starts ``chunk_id * row_bytes`` after it. For a client that
+        registers the memory it moves bytes through (RDMA, a transfer engine); the
+        rows' tracking is the rows', so a tier still takes each row it moves from
+        ``view[chunk_id]`` and holds it while the client may touch it."""
+        if not self.num_rows:
+            return 0, 0
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._flat))
+        return address, self.num_rows * self.row_bytes
 
     def in_use(self, chunk_id: int) -> bool:
         """Whether a row of ``chunk_id`` handed out earlier is still referenced."""

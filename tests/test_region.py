@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import multiprocessing
@@ -53,6 +54,17 @@ def test_a_row_is_in_use_while_anything_derived_from_it_is_referenced(engine_id)
         assert view.in_use(2) and not view.in_use(1)
         del tensor
         assert not view.in_use(2)
+
+
+def test_the_memory_range_covers_every_row_at_its_address(engine_id):
+    with open_region(engine_id, None) as region:
+        view = region.primary_view
+        address, length = view.memory_range()
+        assert length == 6 * 2 * PAGE_SIZE
+        view[4][7:9] = b"hi"
+        # Read back through the raw address, as a transfer engine would.
+        assert ctypes.string_at(address + 4 * 2 * PAGE_SIZE + 7, 2) == b"hi"
+        assert not view.in_use(0)  # the range takes no row
 
 
 def test_worker_column_is_a_strided_view_of_its_rank(engine_id):

@@ -24,12 +24,21 @@ logs                       :class:`ThrottledLog` (a recurring failure once, then
 corrupt chunks             :class:`CorruptChunks`: count, remove, log once; never serve
 events                     :class:`EventLog`: store and removal events for
                            ``take_events``
+a client that blocks       :class:`IoDepth` (one direction's threads, their depth
+                           :class:`DepthRange`, published by :func:`depth_gauge`) and
+                           :func:`in_threads`, which runs a job's blocking calls there:
+                           when it returns or is cancelled, every call has ended, so a
+                           thread never touches a slot its job no longer owns
+registering memory         ``ctx.primary_view.memory_range()``: the primary region's
+                           address and length, for a client that registers the
+                           memory it moves bytes in and out of (RDMA, a transfer engine)
 =========================  ===========================================================
 
 The chunk format itself (a header with the key, the namespace and two checksums, then
 the primary row) is :mod:`kvtier.format`: ``ChunkFormat(ctx.namespace)`` packs a
 header with ``pack_header`` before a store and checks one with ``verify`` after a load.
-:mod:`kvtier.tiers.memcached` is a complete remote tier built from these parts.
+:mod:`kvtier.tiers.memcached` is a complete remote tier built from these parts;
+:mod:`kvtier.tiers.mooncake` one whose client blocks and registers the region.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ from kvtier.config import ConfigReader
 from kvtier.errors import ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.records import EventLog
+from kvtier.tiers._depth import DepthRange, IoDepth, depth_gauge
+from kvtier.tiers._fileio import in_threads
 from kvtier.tiers.base import TierContext
 
 __all__ = [
@@ -54,11 +65,15 @@ __all__ = [
     "ConfigError",
     "ConfigReader",
     "CorruptChunks",
+    "DepthRange",
     "EventLog",
+    "IoDepth",
     "Secret",
     "ThrottledLog",
+    "depth_gauge",
     "derived_field",
     "describe_error",
+    "in_threads",
     "is_derived",
     "job_deadline_s",
     "read_secret",

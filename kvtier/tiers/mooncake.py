@@ -19,7 +19,7 @@ arena, where the I/O thread verifies both before the load reports the chunk. Loo
 are one ``batch_is_exist`` per batch.
 
 Mooncake's client blocks, so every call runs in the tier's own I/O threads
-(:mod:`kvtier.tiers._threads`, as the fs tier's reads and writes do): a job whose call
+(:func:`kvtier.tiers.kit.in_threads`, as the fs tier's reads and writes do): a job whose call
 hangs (a master gone, a node gone) is failed by the framework at its ``job_timeout_s``,
 and the slots its thread still holds stay quarantined until the call returns (the
 thread keeps the job's rows referenced until then). A node that lent the segment
@@ -66,17 +66,19 @@ from kvtier.format import HEADER_BYTES, ChunkFormat, namespace_directory
 from kvtier.keys import OffloadKey
 from kvtier.metrics import MetricDefinition, tier_io_metric_definitions
 from kvtier.records import Locality, Medium, OffloadingEvent
-from kvtier.tiers._depth import DepthRange, IoDepth, depth_gauge
-from kvtier.tiers._fileio import in_threads
 from kvtier.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 from kvtier.tiers.kit import (
     ConfigError,
     ConfigReader,
     CorruptChunks,
+    DepthRange,
     EventLog,
+    IoDepth,
     ThrottledLog,
+    depth_gauge,
     derived_field,
     describe_error,
+    in_threads,
     job_deadline_s,
 )
 
@@ -510,7 +512,7 @@ class MooncakeTier(SecondaryTier):
         self._headers_address = _address_of(memoryview(self._headers))
         areas = [(self._headers_address, len(self._headers))]
         if rows:
-            areas.append((_address_of(view[0]), rows * view.row_bytes))
+            areas.append(view.memory_range())
         for address, size in areas:
             code = self._client.register_buffer(address, size)
             if code != 0:
