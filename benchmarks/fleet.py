@@ -62,6 +62,7 @@ from fleet_servers import BASELINE, SHARING_TIERS, SharingTier, sharing_tier
 from kvtier.bench.probe import percentile
 from kvtier.bench.workloads import chain_keys
 from kvtier.keys import OffloadKey
+from kvtier.tiers.p2p import ANNOUNCE_BYTES, INDEX_MEMORY
 
 __all__ = ["Fleet", "FleetSettings", "build_requests", "main", "run_sweep"]
 
@@ -78,9 +79,10 @@ STOP_TIMEOUT_S = 30.0
 # prompt's; a request's own suffix blocks start at SUFFIX_BASE, far above them.
 PROMPT_STRIDE = 1000
 SUFFIX_BASE = 1 << 40
-# The p2p tier's metrics of its index and its announce traffic (by flow and change).
-P2P_INDEX_BYTES = "kvtier_p2p_index_memory_bytes"
-P2P_ANNOUNCE_BYTES = "kvtier_p2p_announce_bytes_total"
+# The p2p tier's metrics of its index and its announce traffic (by flow and change),
+# as exposed (a counter's samples end in _total).
+P2P_INDEX_BYTES = INDEX_MEMORY
+P2P_ANNOUNCE_BYTES = f"{ANNOUNCE_BYTES}_total"
 
 
 @dataclass(frozen=True)
