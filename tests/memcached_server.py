@@ -20,17 +20,14 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
-import subprocess
-import tempfile
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import anyio
 import pytest
 from holding_proxy import HoldingProxy, _Connection
+from server_process import ServerProcess
 
-from kvtier.bench.servers import free_port, wait_listening
+from kvtier.bench.servers import free_port
 
 __all__ = ["MemcachedProxy", "MemcachedServer", "memcached_binary"]
 
@@ -38,9 +35,6 @@ __all__ = ["MemcachedProxy", "MemcachedServer", "memcached_binary"]
 DEFAULT_ITEM_BYTES = 1 << 20
 # A test stores a few MiB at most. memcached refuses an item size above half its memory.
 MEMORY_MIB = 32
-# memcached starts in milliseconds; a loaded machine may take more.
-START_TIMEOUT_S = 20.0
-STOP_TIMEOUT_S = 10.0
 # An item read or written past the tier is on loopback: anything slower is a hang.
 IO_TIMEOUT_S = 10.0
 # The commands whose line is followed by a value of the length in their fifth word.
@@ -55,12 +49,14 @@ def memcached_binary() -> str:
     return binary
 
 
-class MemcachedServer:
+class MemcachedServer(ServerProcess):
     """memcached on 127.0.0.1 in its own process, while the context lasts.
 
     ``credentials`` ``(user, password)`` makes it ask for them (``-Y``); items hold up
     to ``max_item_bytes`` (``-I``).
     """
+
+    name = "memcached"
 
     def __init__(
         self,
@@ -68,43 +64,23 @@ class MemcachedServer:
         credentials: tuple[str, str] | None = None,
         max_item_bytes: int = DEFAULT_ITEM_BYTES,
     ) -> None:
+        super().__init__()
         self.binary = memcached_binary()
         self.credentials = credentials
         self.max_item_bytes = max_item_bytes
         self.port = free_port()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._directory: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    async def __aenter__(self) -> MemcachedServer:
-        self._directory = tempfile.TemporaryDirectory(prefix="kvtier-memcached-")
+    def _prepare(self) -> None:
         if self.credentials is not None:
             user, password = self.credentials
             self._path("auth").write_text(f"{user}:{password}\n")
-        try:
-            await self.start()
-        except BaseException:
-            self._directory.cleanup()
-            raise
-        return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        try:
-            await self.stop()
-        finally:
-            if self._directory is not None:
-                self._directory.cleanup()
-
-    def _path(self, name: str) -> Path:
-        assert self._directory is not None, "the server is not entered"
-        return Path(self._directory.name) / name
+    def _ports(self) -> list[int]:
+        return [self.port]
 
     def _command(self) -> list[str]:
         command = [
@@ -126,51 +102,6 @@ class MemcachedServer:
         if self.credentials is not None:
             command += ["-Y", str(self._path("auth"))]
         return command
-
-    async def start(self) -> None:
-        """Start the server (on the port it had before, after a kill or a stop) and
-        wait until it accepts connections."""
-        if self.running:
-            return
-        try:
-            await asyncio.to_thread(self._launch)
-        except BaseException:
-            await self.stop()
-            raise
-
-    def _launch(self) -> None:
-        log = self._path("memcached.log")
-        with open(log, "ab") as output:
-            self._process = subprocess.Popen(
-                self._command(), stdin=subprocess.DEVNULL, stdout=output, stderr=output
-            )
-        try:
-            wait_listening(self.port, START_TIMEOUT_S, lambda: self.running)
-        except RuntimeError:
-            said = log.read_text(errors="replace").strip()
-            raise RuntimeError(
-                f"memcached on port {self.port} exited while starting: {said}"
-            ) from None
-
-    async def kill(self) -> None:
-        """Kill the server (SIGKILL) as a crash would: its items are gone with it."""
-        await self._end(signal.SIGKILL)
-
-    async def stop(self) -> None:
-        """Terminate the server, killing it if it does not exit in time."""
-        await self._end(signal.SIGTERM)
-
-    async def _end(self, sig: signal.Signals) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(sig)
-            try:
-                await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
 
     async def read_item(self, name: str) -> bytes | None:
         """The value of item ``name`` (``get``), or None when the server holds none."""

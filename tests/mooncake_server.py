@@ -20,16 +20,14 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from server_process import ServerProcess
 
-from kvtier.bench.servers import free_port, wait_listening
+from kvtier.bench.servers import free_port
 
 __all__ = ["SEGMENT_BYTES", "MooncakeMaster", "RawStore", "mooncake_tier", "require_mooncake"]
 
@@ -39,9 +37,6 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 SEGMENT_BYTES = 32 << 20
 # The test's own client stages whole objects (a header and a chunk of a few MiB).
 RAW_BUFFER_BYTES = 16 << 20
-# The master starts in about a second here (it reports a health sample first).
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 
 
 def require_mooncake() -> str:
@@ -61,16 +56,17 @@ def require_mooncake() -> str:
     return binary
 
 
-class MooncakeMaster:
+class MooncakeMaster(ServerProcess):
     """``mooncake_master`` with its metadata server on 127.0.0.1, while the context lasts."""
 
+    name = "mooncake_master"
+
     def __init__(self) -> None:
+        super().__init__()
         self.binary = require_mooncake()
         self.port = free_port()
         self.metadata_port = free_port()
         self.metrics_port = free_port()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._directory: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def address(self) -> str:
@@ -80,29 +76,9 @@ class MooncakeMaster:
     def metadata_server(self) -> str:
         return f"http://127.0.0.1:{self.metadata_port}/metadata"
 
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
-
-    async def __aenter__(self) -> MooncakeMaster:
-        self._directory = tempfile.TemporaryDirectory(prefix="kvtier-mooncake-")
-        try:
-            await self.start()
-        except BaseException:
-            self._directory.cleanup()
-            raise
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        try:
-            await self.stop()
-        finally:
-            if self._directory is not None:
-                self._directory.cleanup()
+    def _ports(self) -> list[int]:
+        # Ready once its RPC service and its metadata server accept connections.
+        return [self.port, self.metadata_port]
 
     def _command(self) -> list[str]:
         return [
@@ -117,54 +93,6 @@ class MooncakeMaster:
             "-enable_metric_reporting=false",
             "-logtostderr",
         ]
-
-    @property
-    def log(self) -> Path:
-        assert self._directory is not None, "the master is not entered"
-        return Path(self._directory.name) / "master.log"
-
-    async def start(self) -> None:
-        """Start the master (on the ports it had before, after a kill or a stop) and
-        wait until its RPC service and metadata server accept connections."""
-        if self.running:
-            return
-        try:
-            await asyncio.to_thread(self._launch)
-        except BaseException:
-            await self.stop()
-            raise
-
-    def _launch(self) -> None:
-        with open(self.log, "ab") as output:
-            self._process = subprocess.Popen(
-                self._command(), stdin=subprocess.DEVNULL, stdout=output, stderr=output
-            )
-        try:
-            for port in (self.port, self.metadata_port):
-                wait_listening(port, START_TIMEOUT_S, lambda: self.running)
-        except RuntimeError:
-            said = self.log.read_text(errors="replace").strip()[-2000:]
-            raise RuntimeError(f"mooncake_master exited while starting: {said}") from None
-
-    async def kill(self) -> None:
-        """Kill the master (SIGKILL) as a crash would: what it knew is gone with it."""
-        await self._end(signal.SIGKILL)
-
-    async def stop(self) -> None:
-        """Terminate the master, killing it if it does not exit in time."""
-        await self._end(signal.SIGTERM)
-
-    async def _end(self, sig: signal.Signals) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(sig)
-            try:
-                await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
 
 
 def mooncake_tier(master: MooncakeMaster, **params: Any) -> dict[str, Any]:

@@ -25,9 +25,7 @@ import importlib.util
 import os
 import platform
 import shutil
-import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,8 +35,9 @@ from typing import Any
 import anyio
 import pytest
 from holding_proxy import HoldingProxy, _Connection
+from server_process import ServerProcess
 
-from kvtier.bench.servers import free_port, wait_listening
+from kvtier.bench.servers import free_port
 
 __all__ = [
     "RedisClusterServers",
@@ -50,9 +49,6 @@ __all__ = [
     "valkey_binary",
 ]
 
-# redis-server starts in milliseconds; a loaded machine may take more.
-START_TIMEOUT_S = 20.0
-STOP_TIMEOUT_S = 10.0
 # A value read or written past the tier is on loopback: anything slower is a hang.
 IO_TIMEOUT_S = 10.0
 # Three masters meet and agree on the slots in a second or two here.
@@ -108,8 +104,10 @@ def tls_files(directory: Path) -> TlsFiles:
     return files
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """redis-server on 127.0.0.1 in its own process, while the context lasts."""
+
+    name = "redis"
 
     def __init__(
         self,
@@ -120,14 +118,13 @@ class RedisServer:
         port: int | None = None,
         binary: str | None = None,
     ) -> None:
+        super().__init__()
         #: redis-server unless told otherwise (a Valkey server takes the same options).
         self.binary = binary or redis_binary()
         self.password = password
         self.tls = tls
         self.cluster = cluster
         self.port = port or free_port()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._directory: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def url(self) -> str:
@@ -135,29 +132,8 @@ class RedisServer:
         scheme = "rediss" if self.tls is not None else "redis"
         return f"{scheme}://127.0.0.1:{self.port}/0"
 
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    async def __aenter__(self) -> RedisServer:
-        self._directory = tempfile.TemporaryDirectory(prefix="kvtier-redis-")
-        try:
-            await self.start()
-        except BaseException:
-            self._directory.cleanup()
-            raise
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        try:
-            await self.stop()
-        finally:
-            if self._directory is not None:
-                self._directory.cleanup()
-
-    def _path(self, name: str) -> Path:
-        assert self._directory is not None, "the server is not entered"
-        return Path(self._directory.name) / name
+    def _ports(self) -> list[int]:
+        return [self.port]
 
     def _command(self) -> list[str]:
         command = [
@@ -170,8 +146,6 @@ class RedisServer:
             "no",
             "--dir",
             str(self._path("")),
-            "--logfile",
-            str(self._path("redis.log")),
         ]
         if self.tls is None:
             command += ["--port", str(self.port)]
@@ -203,65 +177,6 @@ class RedisServer:
                 "2000",
             ]
         return command
-
-    async def start(self) -> None:
-        """Start the server (on the port it had before, after a kill or a stop) and
-        wait until it accepts connections."""
-        if self.running:
-            return
-        try:
-            await asyncio.to_thread(self._launch)
-        except BaseException:
-            await self.stop()
-            raise
-
-    def _launch(self) -> None:
-        log = self._path("redis.log")
-        self._process = subprocess.Popen(
-            self._command(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            wait_listening(self.port, START_TIMEOUT_S, lambda: self.running)
-        except RuntimeError:
-            said = log.read_text(errors="replace").strip() if log.exists() else ""
-            raise RuntimeError(
-                f"redis-server on port {self.port} exited while starting: {said}"
-            ) from None
-
-    def pause(self) -> None:
-        """Stop the server's process (SIGSTOP): it holds its connections and answers
-        nothing, as a server stuck or cut off does, until :meth:`resume`."""
-        assert self._process is not None, "the server is not running"
-        self._process.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """Let a paused server run on (SIGCONT)."""
-        if self._process is not None:
-            self._process.send_signal(signal.SIGCONT)
-
-    async def kill(self) -> None:
-        """Kill the server (SIGKILL) as a crash would: its values are gone with it."""
-        await self._end(signal.SIGKILL)
-
-    async def stop(self) -> None:
-        """Terminate the server, killing it if it does not exit in time."""
-        await self._end(signal.SIGTERM)
-
-    async def _end(self, sig: signal.Signals) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(sig)
-            process.send_signal(signal.SIGCONT)  # a paused server acts on it too
-            try:
-                await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
 
     def client_options(self) -> dict[str, Any]:
         """redis-py's options for a client of this server."""
