@@ -5,15 +5,15 @@ already, a server killed and started again under a running engine."""
 from __future__ import annotations
 
 import pytest
-import torch
 from anyio.abc import SocketAttribute
-from helpers import keys, store_all, tiering_config
+from helpers import keys
 from memcached_server import MemcachedServer
+from server_outages import server_killed_mid_run, server_restarted_while_idle
 
-from kvtier import ConfigError, KVTier
+from kvtier import ConfigError
 from kvtier.bench.servers import free_port
 from kvtier.format import HEADER_BYTES
-from kvtier.metrics import MetricsRecorder, Names
+from kvtier.metrics import MetricsRecorder
 from kvtier.records import HitSource, Medium
 from kvtier.region import PrimaryView
 from kvtier.tiers.base import TierContext, TransferJob
@@ -158,60 +158,17 @@ async def test_a_connection_in_use_when_the_tier_closes_is_closed_with_its_excha
         assert sock.fileno() == -1
 
 
-def failures(kv: KVTier, name: str) -> float:
-    kv.manager.on_schedule_end()  # flushes the step's counts
-    return kv.manager.metrics.sample(f"{name}_total", {"tier": "1:memcached"}) or 0.0
-
-
 async def test_a_server_killed_mid_run_is_a_counted_miss_and_serves_again_once_restarted(
     engine_id,
 ):
     async with MemcachedServer() as server:
-        tier_params = {"type": "memcached", "server": server.address}
-        config = tiering_config(engine_id, [tier_params], chunks=8, kv_bytes_per_block=CHUNK)
-        generator = torch.Generator().manual_seed(3)
-        cache = torch.randint(0, 256, (64, CHUNK), dtype=torch.uint8, generator=generator)
-        async with KVTier(config, [cache]) as kv:
-            before, during, after = keys("before", 4), keys("during", 4), keys("after", 4)
-            await store_all(kv, before)
-            await kv.reset()
-            # The tier holds open connections to the server when it dies.
-            await server.kill()
-            assert await kv.lookup(before, "down", timeout=30) == 0
-            kv.finish("down")
-            await store_all(kv, during, first_block=10)
-            assert failures(kv, Names.LOOKUP_FAILURES) + failures(kv, Names.PROMOTION_JOB_FAILURES)
-            assert failures(kv, Names.CASCADE_JOB_FAILURES) >= 1
-            # Back on the same port, empty: what the dead server held is a plain miss.
-            await server.start()
-            await kv.reset()
-            assert await kv.lookup(before + during, "gone", timeout=30) == 0
-            kv.finish("gone")
-            assert failures(kv, Names.INTEGRITY_FAILURES) == 0
-            # And the tier stores and loads through the new server, byte-exact.
-            await store_all(kv, after, first_block=20)
-            await kv.reset()
-            assert await kv.lookup(after, "back", timeout=30) == 4
-            assert await kv.load(after, [40, 41, 42, 43], "back") == 4
-            kv.finish("back")
-            assert torch.equal(cache[40:44], cache[20:24])
+        await server_killed_mid_run(
+            engine_id, server, {"type": "memcached", "server": server.address}, CHUNK
+        )
 
 
 async def test_a_server_restarted_while_the_tier_is_idle_loses_no_store_after_it(engine_id):
     async with MemcachedServer() as server:
-        tier_params = {"type": "memcached", "server": server.address}
-        config = tiering_config(engine_id, [tier_params], chunks=8, kv_bytes_per_block=CHUNK)
-        generator = torch.Generator().manual_seed(4)
-        cache = torch.randint(0, 256, (64, CHUNK), dtype=torch.uint8, generator=generator)
-        async with KVTier(config, [cache]) as kv:
-            await store_all(kv, keys("warm", 4))  # the tier keeps its connections open
-            await server.kill()
-            await server.start()
-            after = keys("after", 4)
-            await store_all(kv, after, first_block=20)
-            assert failures(kv, Names.CASCADE_JOB_FAILURES) == 0
-            await kv.reset()
-            assert await kv.lookup(after, "back", timeout=30) == 4
-            assert await kv.load(after, [40, 41, 42, 43], "back") == 4
-            kv.finish("back")
-            assert torch.equal(cache[40:44], cache[20:24])
+        await server_restarted_while_idle(
+            engine_id, server, {"type": "memcached", "server": server.address}, CHUNK
+        )
