@@ -10,7 +10,8 @@ nothing here is private to kvtier.
 =========================  ===========================================================
 settings                   :class:`ConfigReader` (typed reads, errors naming
                            ``secondary_tiers[i].key``, unknown keys refused),
-                           :class:`~kvtier.errors.ConfigError`, and
+                           :class:`~kvtier.errors.ConfigError`,
+                           :func:`parse_address` for a ``host:port``, and
                            :func:`derived_field` for a value the tier derives from
                            the engine (filled in by ``effective_settings``)
 credentials                :class:`Secret` (never shown), :func:`read_secret`,
@@ -76,6 +77,7 @@ __all__ = [
     "in_threads",
     "is_derived",
     "job_deadline_s",
+    "parse_address",
     "read_secret",
     "read_secret_file",
     "redact",
@@ -104,6 +106,26 @@ def is_derived(field: dataclasses.Field[Any]) -> bool:
 
 
 _DERIVED = "kvtier_derived"
+
+
+def parse_address(value: str, path: str, *, listen: bool = False) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"``) as ``(host, port)``; port 0 only to listen.
+
+    Raises:
+        ConfigError: (named by ``path``) not of that form, or a port out of range.
+    """
+    host, colon, port_text = value.rpartition(":")
+    if not colon or not host or not port_text.isdigit():
+        raise ConfigError(path, f'expected "host:port", got {value!r}')
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(path, f"write an IPv6 address in brackets, [{host}]:{port_text}")
+    port = int(port_text)
+    lowest = 0 if listen else 1
+    if not lowest <= port <= 65535:
+        raise ConfigError(path, f"expected a port in [{lowest}, 65535], got {port}")
+    return host, port
 
 
 def job_deadline_s(job_timeout_s: float, given: float | None, path: str) -> float:

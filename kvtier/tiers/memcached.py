@@ -69,6 +69,7 @@ from kvtier.tiers.kit import (
     derived_field,
     describe_error,
     job_deadline_s,
+    parse_address,
     read_secret,
 )
 
@@ -130,7 +131,7 @@ class MemcachedSettings:
     def from_params(cls, params: Mapping[str, Any], path: str) -> MemcachedSettings:
         """Read the tier's parameters; errors name ``path.<parameter>``, never the password."""
         reader = ConfigReader(params, path)
-        server = _address(reader.string("server", "127.0.0.1:11211"), reader.path_of("server"))
+        server = parse_address(reader.string("server", "127.0.0.1:11211"), reader.path_of("server"))
         username: str | None = reader.string("username", None)
         password = read_secret(reader, "password")
         if (username is None) != (password is None):
@@ -171,13 +172,6 @@ class MemcachedSettings:
             )
         deadline = job_deadline_s(job_timeout_s, self.job_deadline_s, f"{path}.job_deadline_s")
         return replace(self, item_bytes=item_bytes, job_deadline_s=deadline)
-
-
-def _address(value: str, path: str) -> tuple[str, int]:
-    host, colon, port = value.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(path, f'expected "host:port", got {value!r}')
-    return host.strip("[]"), int(port)
 
 
 class MemcachedTier(SecondaryTier):

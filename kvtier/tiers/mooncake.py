@@ -80,6 +80,7 @@ from kvtier.tiers.kit import (
     describe_error,
     in_threads,
     job_deadline_s,
+    parse_address,
 )
 
 __all__ = [
@@ -294,7 +295,7 @@ def _read_shared(reader: ConfigReader) -> dict[str, Any]:
     values: dict[str, Any] = {}
     master = reader.string("master_server_address", None)
     if master is not None:
-        _address(master, reader.path_of("master_server_address"))
+        parse_address(master, reader.path_of("master_server_address"))
         values["master_server_address"] = master
     metadata = reader.string("metadata_server", None)
     if metadata is not None:
@@ -339,13 +340,6 @@ def _from_file(config_path: str, path: str) -> dict[str, Any]:
         raise ConfigError(where, f"{config_path} holds no JSON object")
     shared = {key: values[key] for key in _DEFAULTS if key in values}
     return _read_shared(ConfigReader(shared, f"{where}[{config_path}]"))
-
-
-def _address(value: str, path: str) -> tuple[str, int]:
-    host, colon, port = value.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(path, f'expected "host:port", got {value!r}')
-    return host.strip("[]"), int(port)
 
 
 def _metadata_server(value: str, path: str) -> tuple[str, int] | None:
@@ -486,7 +480,7 @@ class MooncakeTier(SecondaryTier):
         master, metadata = settings.master_server_address, settings.metadata_server
         assert master is not None and metadata is not None
         checks = [
-            ("master_server_address", _address(master, "")),
+            ("master_server_address", parse_address(master, "")),
             ("metadata_server", _metadata_server(metadata, "")),
         ]
         for key, address in checks:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiers import kit
-from kvtier.tiers.kit import ConfigError, ConfigReader, Secret
+from kvtier.tiers.kit import ConfigError, ConfigReader, Secret, parse_address
 from kvtier.tiers.p2p.channel import format_address
 from kvtier.tiers.p2p.wire import CONTROL_BATCH_BYTES, chunk_body_bytes
 
@@ -23,7 +23,6 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "PeerSettings",
     "TlsSettings",
-    "parse_address",
     "read_secret_file",
 ]
 
@@ -263,26 +262,6 @@ class PeerSettings:
                 f"got {self.max_frame_bytes}",
             )
         return self.max_frame_bytes
-
-
-def parse_address(value: str, path: str, *, listen: bool) -> tuple[str, int]:
-    """``"host:port"`` (``"[v6]:port"``) as ``(host, port)``; port 0 only to listen.
-
-    Raises:
-        ConfigError: not of that form, or a port out of range.
-    """
-    host, colon, port_text = value.rpartition(":")
-    if not colon or not host or not port_text.isdigit():
-        raise ConfigError(path, f'expected "host:port", got {value!r}')
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ConfigError(path, f"write an IPv6 address in brackets, [{host}]:{port_text}")
-    port = int(port_text)
-    lowest = 0 if listen else 1
-    if not lowest <= port <= 65535:
-        raise ConfigError(path, f"expected a port in [{lowest}, 65535], got {port}")
-    return host, port
 
 
 def read_secret_file(path: str, config_path: str) -> Secret[bytes]:
