@@ -10,21 +10,20 @@ link that the owner's copy never had. Everything else passes unchanged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
-from loopback import LoopbackServer
+from holding_proxy import HoldingProxy, _Connection
 
 from kvtier.tiers.p2p.wire import FRAME, Kind, parse_frame_header
 
 _READ_BYTES = 1 << 16
 
 
-class FlippingProxy(LoopbackServer):
-    """Relays 127.0.0.1:``port`` to ``upstream``; flips a byte of chunks on demand."""
+class FlippingProxy(HoldingProxy):
+    """Relays 127.0.0.1:``port`` to ``upstream``; flips a byte of chunks on demand
+    (the owner's side read frame by frame, the reader's passed on as it comes)."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
-        super().__init__()
-        self.upstream = upstream
+        super().__init__(upstream)
         #: Chunks still to damage; the count goes down by one for each.
         self.flips = 0
         #: Damage every chunk, whatever ``flips`` says.
@@ -43,27 +42,9 @@ class FlippingProxy(LoopbackServer):
             return True
         return False
 
-    async def _handle(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
-        task = self._serving(to_client)
-        to_server: asyncio.StreamWriter | None = None
-        try:
-            server, to_server = await asyncio.open_connection(*self.upstream)
-            self._writers.add(to_server)
-            await asyncio.gather(
-                _pass(client, to_server), self._frames(server, to_client), return_exceptions=True
-            )
-        except OSError:
-            pass  # the owner refused the connection
-        finally:
-            for end in (to_client, to_server):
-                if end is not None:
-                    self._writers.discard(end)
-                    end.close()
-                    with contextlib.suppress(OSError, asyncio.CancelledError):
-                        await end.wait_closed()
-            self._handlers.discard(task)
-
-    async def _frames(self, server: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
+    async def _answers(
+        self, connection: _Connection, server: asyncio.StreamReader, to_client: asyncio.StreamWriter
+    ) -> None:
         try:
             while True:
                 header = await server.readexactly(FRAME.size)
@@ -87,14 +68,3 @@ class FlippingProxy(LoopbackServer):
             pass
         finally:
             to_client.close()
-
-
-async def _pass(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-    try:
-        while data := await source.read(_READ_BYTES):
-            sink.write(data)
-            await sink.drain()
-    except OSError:
-        pass
-    finally:
-        sink.close()
