@@ -104,7 +104,25 @@ def tls_files(directory: Path) -> TlsFiles:
     return files
 
 
-class RedisServer(ServerProcess):
+class _Values:
+    """Values reached past any tier, through the subclass's plain client."""
+
+    def client(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        raise NotImplementedError
+
+    async def read_value(self, name: str) -> bytes | None:
+        """The value ``name`` (``GET``), or None when the server holds none."""
+        async with self.client() as client:
+            value: bytes | None = await client.get(name)
+            return value
+
+    async def write_value(self, name: str, value: bytes) -> None:
+        """Store ``value`` as ``name`` (``SET``, replacing what is there)."""
+        async with self.client() as client:
+            assert await client.set(name, value)
+
+
+class RedisServer(ServerProcess, _Values):
     """redis-server on 127.0.0.1 in its own process, while the context lasts."""
 
     name = "redis"
@@ -199,17 +217,6 @@ class RedisServer(ServerProcess):
         finally:
             await client.aclose()
 
-    async def read_value(self, name: str) -> bytes | None:
-        """The value ``name`` (``GET``), or None when the server holds none."""
-        async with self.client() as client:
-            value: bytes | None = await client.get(name)
-            return value
-
-    async def write_value(self, name: str, value: bytes) -> None:
-        """Store ``value`` as ``name`` (``SET``, replacing what is there)."""
-        async with self.client() as client:
-            assert await client.set(name, value)
-
     async def ttl_ms(self, name: str) -> int:
         """Milliseconds ``name`` has left (``PTTL``): -1 for none, -2 when absent."""
         async with self.client() as client:
@@ -237,7 +244,7 @@ def _free(port: int) -> bool:
         return True
 
 
-class RedisClusterServers:
+class RedisClusterServers(_Values):
     """Three redis-servers on 127.0.0.1, the masters of one Redis Cluster."""
 
     def __init__(self, masters: int = 3) -> None:
@@ -297,15 +304,6 @@ class RedisClusterServers:
                 yield client
         finally:
             await client.aclose()
-
-    async def read_value(self, name: str) -> bytes | None:
-        async with self.client() as client:
-            value: bytes | None = await client.get(name)
-            return value
-
-    async def write_value(self, name: str, value: bytes) -> None:
-        async with self.client() as client:
-            assert await client.set(name, value)
 
 
 class RedisProxy(HoldingProxy):
