@@ -141,10 +141,10 @@ class PeerIndex(Generic[H]):
 
         The tables of the dict and sets are measured when asked (each is one call); the
         key objects and holder tuples are added up as entries come and go, back-offs at a
-        fixed cost each. Not counted:
-        the holders themselves (links, each a few hundred bytes), and a key object the
-        dict keeps when the holder that first announced it withdrew it but another still
-        holds it (the other holder's copy is counted in its place).
+        fixed cost each. Not counted: the holders themselves (links, each a few hundred
+        bytes), and a key object the dict keeps when the holder that first announced it
+        withdrew it but another still holds it (the other holder's copy is counted in
+        its place).
         """
         tables = sys.getsizeof(self._holders) + sys.getsizeof(self._keys)
         tables += sum(sys.getsizeof(keys) for keys in list(self._keys.values()))
