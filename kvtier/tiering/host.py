@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvtier.keys import OffloadKey
 from kvtier.records import LookupResult, ReqContext
 from kvtier.tiering.core import TieringCore
+from kvtier.tiering.jobs import CascadeListener
 from kvtier.tiering.ledger import Holder
 
 __all__ = ["HostAccess", "PrefixLookup"]
@@ -90,6 +91,13 @@ class HostAccess:
             request = self._core.requests.get(req.req_id)
             tier = None if request is None else request.sources.get(key)
             return None if tier is None else self._core.tiers[tier].label
+
+    def listen_to_cascades(self, listener: CascadeListener) -> None:
+        """Tell ``listener`` of every cascade from now on: when it starts and how it
+        ends (for a host whose acknowledgement of a store means that a tier holds a copy
+        of the chunk)."""
+        with self._lock:
+            self._core.jobs.cascade_listeners.append(listener)
 
     @property
     def num_chunks(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvtier.keys import OffloadKey
 from kvtier.metrics import Names
@@ -24,9 +24,23 @@ if TYPE_CHECKING:
     from kvtier.tiering.completions import JobOutcome
     from kvtier.tiering.core import TieringCore
 
-__all__ = ["InFlight", "JobTable", "PromotionEnded"]
+__all__ = ["CascadeListener", "InFlight", "JobTable", "PromotionEnded"]
 
 _N = TypeVar("_N", int, float)
+
+
+class CascadeListener(Protocol):
+    """Hears where cascades go: a host that must know when a chunk has a copy in a
+    tier (see :meth:`~kvtier.tiering.host.HostAccess.listen_to_cascades`). Called under
+    the manager's lock: record and return. A cascade back-pressure drops is never
+    started, so it is never heard of."""
+
+    def cascade_started(self, tier: int, keys: Sequence[OffloadKey]) -> None:
+        """A cascade of ``keys`` to the tier at index ``tier`` is on its way."""
+
+    def cascade_ended(self, tier: int, keys: Sequence[OffloadKey], stored: bool) -> None:
+        """That cascade ended: ``stored`` says whether the tier reported the keys stored
+        (a failure or a time-out is not)."""
 
 
 class InFlight:
@@ -79,6 +93,7 @@ class JobTable:
         self._jobs: dict[int, _Job] = {}
         #: Jobs that timed out and whose coroutine has not returned yet.
         self.late: set[int] = set()
+        self.cascade_listeners: list[CascadeListener] = []
         self._next_id = 0
 
     def __bool__(self) -> bool:
@@ -103,6 +118,8 @@ class JobTable:
         counts = self.in_flight[tier]
         counts.cascades += 1
         counts.cascade_chunks += len(keys)
+        for listener in self.cascade_listeners:
+            listener.cascade_started(tier, job.keys)
         return job
 
     def promotion(
@@ -186,6 +203,8 @@ class JobTable:
         backpressure = state.backpressure
         if backpressure is not None:
             backpressure.record(outcome.elapsed, nbytes, failed=not result.success)
+        for listener in self.cascade_listeners:
+            listener.cascade_ended(entry.tier, job.keys, result.success)
 
     def _new_id(self) -> int:
         self._next_id += 1

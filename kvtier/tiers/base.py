@@ -245,6 +245,11 @@ class SecondaryTier(AsyncResource):
     #: On this node or across a network; picks the default back-pressure water marks
     #: and promotion budget (a plain ``"local"`` / ``"remote"`` is read as the member).
     locality: ClassVar[Locality | str] = Locality.LOCAL
+    #: Whether a chunk the tier stored is a copy of its own, kept when the primary tier
+    #: lets the chunk go. A tier that only serves the primary tier to others (p2p) keeps
+    #: none: a host that acknowledges a chunk only once it has a lasting copy (SGLang's
+    #: ``buffer_only`` host memory) does not count such a tier's store.
+    keeps_copies: ClassVar[bool] = True
     #: The parsed form of this tier's parameters; None for a tier that reads its
     #: keyword arguments itself.
     settings_class: ClassVar[type[TierSettings] | None] = None

@@ -72,6 +72,7 @@ class PeerTier(SecondaryTier):
 
     medium = Medium.NETWORK  # its hits are P2P ones
     locality = Locality.REMOTE
+    keeps_copies = False  # its chunks are those of the primary tier
     settings_class = PeerSettings
 
     def __init__(
