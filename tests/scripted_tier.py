@@ -137,6 +137,13 @@ class ScriptedTier(SecondaryTier):
         return {}
 
 
+class ScriptedSharingTier(ScriptedTier):
+    """A :class:`ScriptedTier` that, like p2p, keeps no copies of its own: what it
+    stored is not a copy that outlives the primary tier's."""
+
+    keeps_copies = False
+
+
 class ThreadWritingTier(SecondaryTier):
     """A plugin tier that loads through ``anyio.to_thread.run_sync``, as documented.
 

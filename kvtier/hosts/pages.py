@@ -3,6 +3,11 @@
 An engine whose threads call its storage synchronously (SGLang's HiCache controllers
 are one) hands kvtier pages of its own memory: one page is one chunk. Bytes move with
 one copy each way between the caller's memory and kvtier's primary slots.
+
+What "stored" means is the host's choice (``lasting_acks``): by default a page is
+stored once it is in the primary tier, a cache like any other tier; with lasting
+acknowledgements, once a tier that keeps copies of its own has it too, so the host may
+drop its own copy at once (SGLang's ``buffer_only`` host memory).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.config import OffloadingConfig, storage_namespace
 from kvtier.errors import ConfigError
 from kvtier.hosts.fence import Fence
+from kvtier.hosts.lasting import LastingCopies
 from kvtier.hosts.requests import Requests
 from kvtier.hosts.stores import StoreRoom
 from kvtier.hosts.waits import Step, step_until_blocking
@@ -109,6 +115,19 @@ class PageStore(BlockingResource):
     a page is copied out only from a primary slot the request pins, which holds
     verified bytes. ``request_prefix`` names the requests the tiers see
     (``<prefix>-<n>``, one per call).
+
+    With ``lasting_acks``, :meth:`store` reports a page stored only once it has a
+    lasting copy: a secondary tier that keeps copies of its own (not p2p) reported it
+    stored. Until then the cascade pins the page in the primary tier, so it is never
+    evicted before; a cascade that fails, times out or is dropped by back-pressure
+    leaves the page unacknowledged (``False``). With no such tier the primary tier is
+    the only copy, and a page is stored once it is there, as without the option: it
+    stays until the primary tier, full, evicts it for newer pages.
+
+    Raises:
+        ConfigError: ``world_size`` is not 1, ``block_size`` is not the page, or
+            ``lasting_acks`` with a store gate (``store_threshold`` >= 2), which skips
+            pages it was asked to store.
     """
 
     def __init__(
@@ -118,6 +137,7 @@ class PageStore(BlockingResource):
         registry: CollectorRegistry | None = None,
         shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
         request_prefix: str = "pages",
+        lasting_acks: bool = False,
     ) -> None:
         if config.world_size != 1:
             raise ConfigError("world_size", "a PageStore is one rank's: expected 1")
@@ -128,6 +148,15 @@ class PageStore(BlockingResource):
             spec.close()
             raise ConfigError(
                 "block_size", f"one page is one chunk: expected {config.tokens_per_block}"
+            )
+        if lasting_acks and spec.settings.store_threshold >= 2:
+            spec.close()
+            raise ConfigError(
+                "store_threshold",
+                "a store gate skips pages until they were looked up often enough, so a "
+                "page acknowledged as stored could be in no tier at all: remove "
+                "store_threshold (or set it below 2) where the host keeps no copy of "
+                "its own",
             )
         try:
             manager = spec.get_manager()
@@ -152,6 +181,18 @@ class PageStore(BlockingResource):
         self._stores = StoreRoom(manager, self._requests, in_flight=lambda: self._fence.active > 1)
         self._counts = _Counts()
         self._counts_lock = threading.Lock()
+        self.lasting_acks = lasting_acks
+        #: How much longer than its own time-out a store may wait for its lasting copies:
+        #: the longest job time-out of the tiers that keep copies (0: none waited for).
+        self.lasting_wait_s = 0.0
+        self._lasting: LastingCopies | None = None
+        keeping = [i for i, tier in enumerate(manager.tiers) if tier.keeps_copies]
+        if lasting_acks and keeping:
+            # A key stored again while it is still in the primary tier needs its answer:
+            # twice the tier's keys covers every key the primary tier can hold.
+            self._lasting = LastingCopies(keeping, remember=max(2 * manager.host.num_chunks, 1024))
+            manager.host.listen_to_cascades(self._lasting)
+            self.lasting_wait_s = max(manager.tiers[i].ctx.job_timeout_s for i in keeping)
 
     @property
     def namespace(self) -> str:
@@ -337,10 +378,14 @@ class PageStore(BlockingResource):
     ) -> list[bool]:
         """Copy the caller's ``pages`` into the primary tier under ``keys``; which are
         stored (a key already stored counts). Cascades to the secondary tiers start at
-        once and run on; the call does not wait for them.
+        once and run on; the call does not wait for them, except with
+        ``lasting_acks``: then a key counts as stored only once a tier that keeps copies
+        reported it stored, and the call waits for that.
 
-        Waits for room in the primary tier (loads and cascades in flight hold slots) at
-        most ``timeout`` seconds; keys that found none are ``False``.
+        Waits at most ``timeout`` seconds in all, for room in the primary tier (loads
+        and cascades in flight hold slots) and for lasting copies; keys that found no
+        room, or whose lasting copy has not been reported by then, are ``False``. The
+        caller's memory is read only during the call.
         """
         count = len(keys)
         self._check_pages(keys, pages)
@@ -364,14 +409,32 @@ class PageStore(BlockingResource):
                 )
             finally:
                 self._requests.end(request.req_id)
+            done = [index < stored.keys for index in range(count)]
+            if self._lasting is not None and stored.keys:
+                done[: stored.keys] = self._await_lasting(keys[: stored.keys], started + timeout)
             moved = stored.written
             self._count(
                 stored=moved,
                 already_stored=stored.keys - moved,
-                store_failures=count - stored.keys,
+                store_failures=count - sum(done),
                 store_sample=IOSample(moved, moved * self.page_bytes, time.monotonic() - started),
             )
-            return [index < stored.keys for index in range(count)]
+            return done
+
+    def _await_lasting(self, keys: Sequence[OffloadKey], deadline: float) -> list[bool]:
+        """Wait until each of ``keys`` (in the primary tier) has a lasting copy or has no
+        cascade to a tier that keeps copies on its way any more; which have one."""
+        lasting, manager = self._lasting, self.manager
+        assert lasting is not None
+
+        def step() -> Step:
+            with manager.lock:
+                manager.on_schedule_end()
+                return Step.WAIT if lasting.undecided(keys) else Step.DONE
+
+        step_until_blocking(manager.host, step, deadline=deadline)
+        with manager.lock:
+            return [lasting.has_copy(key) for key in keys]
 
     # --------------------------------------------------------------- helpers
 
@@ -407,7 +470,8 @@ class PageStore(BlockingResource):
     def stats(self) -> dict[str, int]:
         """Cumulative page counts: ``queried`` / ``found`` (prefix lookups),
         ``loaded`` / ``load_misses``, ``stored`` / ``already_stored`` /
-        ``store_failures``."""
+        ``store_failures`` (pages :meth:`store` answered ``False`` for: no room, or
+        with ``lasting_acks`` no lasting copy reported in time)."""
         with self._counts_lock:
             record = self._counts
             return {name: getattr(record, name) for name in _COUNT_NAMES}
