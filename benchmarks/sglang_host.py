@@ -43,7 +43,7 @@ with warnings.catch_warnings():
     from sglang.srt.mem_cache.pool_host.group import HostPoolGroup
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.utils import get_storage_hash_str
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_context, get_memory, get_parallel
 
 __all__ = [
     "KVTIER_BACKEND",
@@ -154,7 +154,9 @@ class HiCacheHost:
     ``--hicache-storage-backend-extra-config`` would say (``"dynamic"`` plus
     :func:`kvtier_extra_config`, or ``"file"`` plus ``file_storage_path``).
     ``controller`` is ``"hybrid"`` (SGLang 0.5.23's scheduler builds this one) or
-    ``"plain"``.
+    ``"plain"``. ``host_memory_mode`` is ``--hicache-host-memory-mode``: published as
+    the server would while the controller and its backend are built, and given to the
+    controller.
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class HiCacheHost:
         model_name: str = "kvtier-test-model",
         tp_group: Any = None,
         salt: str = "",
+        host_memory_mode: str = "cache",
     ) -> None:
         self.geometry = geometry = geometry or Geometry()
         self.salt = salt
@@ -217,9 +220,18 @@ class HiCacheHost:
             "storage_backend": backend,
             "model_name": model_name,
             "storage_backend_extra_config": dict(extra_config),
+            "host_memory_mode": host_memory_mode,
         }
         self.hybrid = controller == "hybrid"
-        if self.hybrid:
+        with get_memory().override(hicache_host_memory_mode=host_memory_mode):
+            self.controller: Any = self._controller(controller, allocator, layers, common)
+        self._requests = 0
+
+    def _controller(
+        self, kind: str, allocator: Any, layers: dict[int, int], common: dict[str, Any]
+    ) -> Any:
+        geometry = self.geometry
+        if kind == "hybrid":
             group = HostPoolGroup(
                 [
                     build_pool_entry(
@@ -232,12 +244,10 @@ class HiCacheHost:
                     )
                 ]
             )
-            self.controller: Any = HybridCacheController(allocator, group, **common)
-        elif controller == "plain":
-            self.controller = HiCacheController(allocator, self.host_pool, **common)
-        else:
-            raise ValueError(f"controller must be 'hybrid' or 'plain', not {controller!r}")
-        self._requests = 0
+            return HybridCacheController(allocator, group, **common)
+        if kind == "plain":
+            return HiCacheController(allocator, self.host_pool, **common)
+        raise ValueError(f"controller must be 'hybrid' or 'plain', not {kind!r}")
 
     # ------------------------------------------------------------------ pages
 
@@ -321,6 +331,19 @@ class HiCacheHost:
         operation = self.controller.ack_backup_queue.get(timeout=QUEUE_TIMEOUT_S)
         assert operation.id == op_id, "the backup thread acknowledged another operation"
         return int(operation.completed_tokens)
+
+    def backup_and_free(self, tokens: Sequence[int]) -> int:
+        """:meth:`backup`, then free the host pages at the acknowledgement, as SGLang's
+        ``buffer_only`` mode does (host memory only stages writes), and let other pages
+        take them over at once (:meth:`scribble`); the tokens reported stored."""
+        indices = self.fill(tokens)
+        try:
+            return self.backup(tokens, indices)
+        finally:
+            self.free(indices)
+            reused = self.alloc(len(indices))
+            self.scribble(reused)
+            self.free(reused)
 
     def prefetch(
         self, tokens: Sequence[int], *, scribble: bool = False

@@ -63,9 +63,23 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     (``prefetch_timeout_base`` + ``prefetch_timeout_per_ki_token`` per 1024 tokens);
     what has not arrived by then is a miss.
 
+    Under ``--hicache-host-memory-mode buffer_only`` (read from SGLang's published
+    server arguments) SGLang frees its host page as soon as a write is acknowledged,
+    so kvtier's copy is the only one: a page is acknowledged only once a secondary
+    tier that keeps copies of its own (fs, s3, redis, memcached, mooncake, a plugin;
+    not p2p) reported it stored, and until then the cascade pins it in the primary
+    tier. A write then also waits for that cascade (up to that tier's
+    ``job_timeout_s`` more). A page whose cascade fails, times out or is dropped by
+    back-pressure is not acknowledged. Without such a tier the primary tier is the only
+    copy: a page is acknowledged once it is there, and stays until the primary tier,
+    full, evicts it for newer pages (``cpu_bytes_to_use`` is then the size of SGLang's
+    whole storage).
+
     Raises (while SGLang attaches it, which then fails):
-        ConfigError: an invalid ``"kvtier"`` setting, or heterogeneous tensor
-            parallelism (``tp_lcm_size``), which kvtier does not store.
+        ConfigError: an invalid ``"kvtier"`` setting, heterogeneous tensor
+            parallelism (``tp_lcm_size``), which kvtier does not store, or a store gate
+            (``store_threshold`` >= 2) under ``buffer_only``, where a page it skipped
+            would be acknowledged and lost.
         UnsupportedPoolError: a host pool other than the KV pool (Mamba, SWA, DSA
             indexer pools of hybrid models), or a KV pool whose page kvtier cannot map.
     """
@@ -91,6 +105,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._kv_pairs = False
         self._timeout_base_s, self._timeout_per_token_s = _prefetch_timeouts()
         self._stats_enabled = bool(storage_config.enable_storage_metrics)
+        #: SGLang's ``--hicache-host-memory-mode``: ``"buffer_only"`` makes kvtier's copy
+        #: of a page the only one once it is acknowledged.
+        self.host_memory_mode = _host_memory_mode()
 
     # ---------------------------------------------------------- registration
 
@@ -126,13 +143,32 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             ),
             shard=_shard(self.storage_config),
         )
-        self.page_store = PageStore(config, request_prefix=REQUEST_PREFIX)
+        buffer_only = self.host_memory_mode == "buffer_only"
+        try:
+            self.page_store = PageStore(
+                config, request_prefix=REQUEST_PREFIX, lasting_acks=buffer_only
+            )
+        except ConfigError as exc:
+            if buffer_only and exc.path == "store_threshold":
+                raise ConfigError(
+                    "kvtier.store_threshold",
+                    "--hicache-host-memory-mode buffer_only leaves kvtier the only copy of "
+                    "a page, and a store gate skips pages: remove store_threshold",
+                ) from exc
+            raise
         logger.info(
-            "kvtier HiCache storage: %d-token pages of %d bytes, namespace %s, tiers %s",
+            "kvtier HiCache storage: %d-token pages of %d bytes, namespace %s, tiers %s, "
+            "host memory mode %s (a write is acknowledged once %s)",
             page_tokens,
             page_bytes,
             self.page_store.namespace,
             ", ".join(self.page_store.manager.diagnostics.tier_labels) or "none",
+            self.host_memory_mode,
+            (
+                "a tier that keeps copies has it"
+                if self.page_store.lasting_wait_s
+                else "the primary tier has it"
+            ),
         )
 
     def on_host_pools_registered(self) -> None:
@@ -176,19 +212,23 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Pages of the host pool at ``host_indices`` into primary slots, then the tiers."""
         store = self._store()
-        return self._move(store.store, keys, host_indices)
+        return self._move(store.store, keys, host_indices, self._store_budget(len(keys)))
 
     def _move(
         self,
         move: Callable[[Sequence[OffloadKey], Sequence[Sequence[Segment]], float], list[bool]],
         keys: list[str],
         host_indices: torch.Tensor,
+        timeout: float | None = None,
     ) -> list[bool]:
-        """One zero-copy batch: the pages at ``host_indices`` through ``move``."""
+        """One zero-copy batch: the pages at ``host_indices`` through ``move``, within
+        ``timeout`` (None: the time SGLang gives a prefetch of them)."""
         pages = self._host_pages(keys, host_indices)
         if pages is None:
             return [False] * len(keys)
-        return move([page_key(k) for k in keys], pages, self._budget(len(keys)))
+        if timeout is None:
+            timeout = self._budget(len(keys))
+        return move([page_key(k) for k in keys], pages, timeout)
 
     def _host_pages(
         self, keys: Sequence[str], host_indices: torch.Tensor
@@ -253,7 +293,8 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise ValueError("batch_set needs one flat page tensor per key")
         contiguous = [value.contiguous() for value in values]
         pages = [[_tensor_segment(value)] for value in contiguous]
-        return all(store.store([page_key(k) for k in keys], pages, self._budget(len(keys))))
+        stored = store.store([page_key(k) for k in keys], pages, self._store_budget(len(keys)))
+        return all(stored)
 
     def set(
         self,
@@ -314,6 +355,11 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """The time SGLang gives a prefetch of ``pages`` pages."""
         return self._timeout_base_s + self._timeout_per_token_s * pages * self._page_tokens
 
+    def _store_budget(self, pages: int) -> float:
+        """The time a write of ``pages`` pages may take: what a prefetch of them gets,
+        plus, where a write waits for lasting copies, the time their cascade may take."""
+        return self._budget(pages) + self._store().lasting_wait_s
+
 
 def _prefetch_timeouts() -> tuple[float, float]:
     """SGLang's prefetch time-out settings (base seconds, seconds per token), read the
@@ -330,6 +376,19 @@ def _prefetch_timeouts() -> tuple[float, float]:
         logger.debug("SGLang's prefetch time-outs are not readable; using its defaults")
         base, per_ki_token = _DEFAULT_TIMEOUT_BASE_S, _DEFAULT_TIMEOUT_PER_KI_TOKEN_S
     return float(base), float(per_ki_token) / 1024
+
+
+def _host_memory_mode() -> str:
+    """SGLang's ``--hicache-host-memory-mode`` as its server published it (``"cache"``
+    when nothing is published: a backend built outside a server)."""
+    try:
+        from sglang.srt.runtime_context import get_memory
+
+        mode = get_memory().hicache_host_memory_mode
+    except Exception:  # settings not published
+        logger.debug("SGLang's host memory mode is not readable; assuming 'cache'")
+        return "cache"
+    return str(mode or "cache")
 
 
 def _shard(config: HiCacheStorageConfig) -> str:

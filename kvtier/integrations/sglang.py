@@ -15,6 +15,13 @@ Launch SGLang with the hierarchical cache and name this backend::
 (``cpu_bytes_to_use``, ``eviction_policy``, ``secondary_tiers``, ``backpressure``, ...).
 One SGLang page is one kvtier chunk, named by SGLang's own chained page hash.
 
+With ``--hicache-host-memory-mode buffer_only`` SGLang's host memory only stages
+writes: it frees a host page as soon as the backend acknowledges it. The backend reads
+the mode from SGLang's published server arguments and then acknowledges a page only
+once a secondary tier that keeps copies of its own (fs, s3, redis, memcached,
+mooncake, a plugin; not p2p) has stored it; without such a tier, once the primary tier
+has it, which then holds SGLang's whole storage (``cpu_bytes_to_use``).
+
 kvtier's side needs no SGLang: :class:`PageStore` (:class:`kvtier.hosts.PageStore`, the
 engine-neutral store of fixed-size pages for synchronous threads, re-exported here)
 moves bytes between the caller's page memory and kvtier's primary slots with one copy
