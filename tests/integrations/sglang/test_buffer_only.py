@@ -100,12 +100,15 @@ def test_eviction_under_a_stream_of_writes_loses_no_acknowledged_page(hosts, tok
 def test_a_page_whose_cascade_was_dropped_is_not_acknowledged(hosts, tokens_of, tmp_path):
     """Back-pressure drops every cascade once the fs tier has answered once: those
     pages live in the primary tier alone, which evicts them for later writes. Had they
-    been acknowledged, SGLang would have freed its only other copy: a silent miss."""
+    been acknowledged, SGLang would have freed its only other copy: a silent miss.
+
+    Each write is 4 pages, half the primary tier: one cascade each, so the first write's
+    is the fs tier's only answer before the rest."""
     geometry = Geometry()
     pressured = {"policy": "drop", "high_water": 1e-9, "low_water": 0.0, "warmup": 0}
     config = fs_config(tmp_path, cpu_bytes=8 * row(geometry), backpressure=pressured)
     host = open_host(hosts, config)
-    sequences = [tokens_of(8, geometry.page_tokens) for _ in range(6)]
+    sequences = [tokens_of(4, geometry.page_tokens) for _ in range(8)]
     acknowledged = write_all(host, sequences)
 
     stats = store_of(host).manager.diagnostics.tier_stats()["1:fs"]
