@@ -189,7 +189,7 @@ class PageStore(BlockingResource):
         keeping = [i for i, tier in enumerate(manager.tiers) if tier.keeps_copies]
         if lasting_acks and keeping:
             # A key stored again while it is still in the primary tier needs its answer:
-            # twice the tier's keys covers every key the primary tier can hold.
+            # twice the primary tier's slots covers every key it can hold.
             self._lasting = LastingCopies(keeping, remember=max(2 * manager.host.num_chunks, 1024))
             manager.host.listen_to_cascades(self._lasting)
             self.lasting_wait_s = max(manager.tiers[i].ctx.job_timeout_s for i in keeping)
