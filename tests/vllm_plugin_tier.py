@@ -3,9 +3,11 @@
 What a vLLM user would bring along: it keeps chunks in a dictionary, copies them in a
 thread of its own and reports jobs through ``get_finished_jobs()``, takes its own
 parameters, declares a metric and reports it through ``get_stats()``. Nothing in it
-knows kvtier. Two parameters make it misbehave for tests: ``stall_loads`` keeps every
-load job unreported until :meth:`ThreadedDictTier.release`, ``fail_loads`` reports
-every load job failed.
+knows kvtier. ``store`` names a dictionary of this process that tiers built with the
+same name share (as a disk outlives an engine); by default each tier has its own.
+Three parameters make it misbehave for tests: ``stall_loads`` keeps every load job
+unreported until :meth:`ThreadedDictTier.release`, ``fail_loads`` reports every load
+job failed, ``corrupt_loads`` flips a byte of each row it loads and reports success.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ STORED_CHUNKS = "test_plugin_stored_chunks"
 
 #: Every tier built, newest last, for tests to inspect.
 INSTANCES: list[ThreadedDictTier] = []
+#: The dictionaries named by ``store``.
+STORES: dict[str, dict[OffloadKey, bytes]] = {}
 
 
 class ThreadedDictTier(SecondaryTierManager):
@@ -50,13 +54,16 @@ class ThreadedDictTier(SecondaryTierManager):
         label: str,
         stall_loads: bool = False,
         fail_loads: bool = False,
+        corrupt_loads: bool = False,
+        store: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.offloading_spec = offloading_spec
         self.label = label
         self.stall_loads = stall_loads
         self.fail_loads = fail_loads
-        self.chunks: dict[OffloadKey, bytes] = {}
+        self.corrupt_loads = corrupt_loads
+        self.chunks: dict[OffloadKey, bytes] = {} if store is None else STORES.setdefault(store, {})
         self.requests_seen: set[str] = set()
         self.requests_finished: set[str] = set()
         self.shut_down = False
@@ -175,6 +182,8 @@ class ThreadedDictTier(SecondaryTierManager):
             for key, at, chunk in zip(keys, rows, data, strict=True):
                 if chunk is not None:
                     self._flat[at : at + size] = chunk
+                    if self.corrupt_loads:
+                        self._flat[at] ^= 0xFF
                     loaded.append(key)
             with self._lock:
                 self._end(

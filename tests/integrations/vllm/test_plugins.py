@@ -164,6 +164,42 @@ def test_a_plugin_that_reports_a_failed_load_is_a_miss(make_engine):
     assert kvtier.metrics.total(Names.PROMOTION_JOB_FAILURES, ("1:ThreadedDictTier",)) >= 1
 
 
+def test_a_row_the_plugin_loads_wrong_is_never_served(make_engine):
+    # kvtier took each row's checksum when the plugin stored it.
+    extra = {
+        "cpu_bytes_to_use": PRIMARY_BYTES,
+        "secondary_tiers": [by_module_path(label="corrupt", corrupt_loads=True)],
+    }
+    engine = make_engine(extra)
+    shared = prompt(14, 4)
+    store_then_forget(engine, shared)
+    engine.add("second", [*shared, 9, 9, 9, 9])
+    engine.run()
+    assert engine.cached_at_start["second"] == 0  # the engine's byte check never saw them
+    kvtier = engine.manager.kvtier
+    assert kvtier.metrics.total(Names.INTEGRITY_FAILURES, ("1:ThreadedDictTier",)) >= 4
+
+
+def test_rows_stored_by_another_engine_are_served_and_counted_unverified(make_engine, engine_id):
+    # A plugin whose chunks outlive the engine (as a disk does): the next engine holds
+    # no checksum for them, so they are served as loaded, as under vLLM, and counted.
+    tier = by_module_path(label="shared", store=engine_id)
+    writer = make_engine({"cpu_bytes_to_use": PRIMARY_BYTES, "secondary_tiers": [tier]})
+    shared = prompt(15, 4)
+    writer.add("first", [*shared, 5, 6, 7])
+    writer.run()
+    writer.drain_tiers()
+    writer.close()
+    reader = make_engine({"cpu_bytes_to_use": PRIMARY_BYTES, "secondary_tiers": [tier]})
+    reader.add("second", [*shared, 9, 9, 9, 9])
+    reader.run()
+    assert reader.cached_at_start["second"] == 4 * TOKENS_PER_BLOCK
+    assert reader.verified_blocks >= 4
+    from kvtier.integrations.vllm_plugin import UNVERIFIED_CHUNKS
+
+    assert reader.manager.kvtier.metrics.total(UNVERIFIED_CHUNKS, ("1:ThreadedDictTier",)) == 4
+
+
 def test_a_plugin_parameter_it_does_not_take_is_named(engine_id):
     extra = {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [by_module_path(labl="x")]}
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.labl"):
