@@ -407,7 +407,7 @@ class VllmPluginTier(SecondaryTier):
                 await asyncio.sleep(BUSY_POLL_S)
                 continue
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
 
     def _poll_once(self) -> bool:
