@@ -65,6 +65,11 @@ def store_then_forget(engine, shared):
 def test_vllms_factory_builds_the_spec_with_a_vllm_plugin_tier(engine_id):
     # Refused at create_spec before ("is not a subclass of kvtier.SecondaryTier").
     extra = {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [by_module_path(label="x")]}
+    # vLLM's metrics logger declares every metric before any stats arrive: the
+    # plugin's own are among the spec's.
+    declared = KVTierOffloadingSpec.build_metric_definitions(extra)
+    assert vllm_plugin_tier.STORED_CHUNKS in declared
+    assert declared[vllm_plugin_tier.STORED_CHUNKS].labelnames == ("label",)
     spec = OffloadingSpecFactory.create_spec(offloading_config(engine_id, extra))
     assert isinstance(spec, KVTierOffloadingSpec)
     manager = spec.get_manager()
