@@ -2,26 +2,55 @@
 
 Eviction policies, specs and secondary tiers are all chosen the same way: a name that
 is registered (lazily, as ``module:Class``, so built-ins cost nothing until used), or a
-class name together with a module path to import it from.
+class name together with a module path to import it from. A registry may also take
+classes written against another framework's interface (:class:`Foreign`): it hands
+back an adapter that is a subclass of its base.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvtier.errors import ConfigError
 
-__all__ = ["PluginRegistry"]
+__all__ = ["Foreign", "PluginRegistry"]
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Foreign(Generic[_T]):
+    """Classes of another framework's interface that a registry accepts, adapted.
+
+    Consulted only where the registry itself has no answer: a name it does not know,
+    or a class that is not a subclass of its base.
+    """
+
+    #: What such a class is, for messages ("a vLLM SecondaryTierManager").
+    what: str
+    #: The adapter (a subclass of the registry's base) for a class of that interface;
+    #: None for any other object.
+    adapt: Callable[[object], type[_T] | None]
+    #: The class another framework's own registry knows by a name; None if it does not.
+    find: Callable[[str], object | None]
 
 
 class PluginRegistry(Generic[_T]):
     """Names -> subclasses of ``base``; errors name the configuration keys involved."""
 
-    def __init__(self, base: type[_T], what: str, name_key: str, module_key: str) -> None:
+    def __init__(
+        self,
+        base: type[_T],
+        what: str,
+        name_key: str,
+        module_key: str,
+        foreign: Foreign[_T] | None = None,
+    ) -> None:
         self._base = base
+        self._foreign = foreign
         self._what = what
         self._name_key = name_key
         self._module_key = module_key
@@ -58,6 +87,10 @@ class PluginRegistry(Generic[_T]):
         if module_path:
             return self._import(module_path, name, self._module_key)
         entry = self._entries.get(name)
+        if entry is None and self._foreign is not None:
+            found = self._foreign.find(name)
+            if found is not None:
+                return self._check(found, self._name_key)
         if entry is None:
             raise ConfigError(
                 self._name_key,
@@ -82,6 +115,12 @@ class PluginRegistry(Generic[_T]):
         return self._check(target, self._name_key)
 
     def _check(self, target: object, key: str) -> type[_T]:
-        if not (isinstance(target, type) and issubclass(target, self._base)):
-            raise ConfigError(key, f"{target!r} is not a subclass of kvtier.{self._base.__name__}")
-        return target
+        if isinstance(target, type) and issubclass(target, self._base):
+            return target
+        expected = f"a subclass of kvtier.{self._base.__name__}"
+        if self._foreign is not None:
+            adapter = self._foreign.adapt(target)
+            if adapter is not None:
+                return adapter
+            expected += f" or {self._foreign.what}"
+        raise ConfigError(key, f"{target!r} is not {expected}")

@@ -73,6 +73,14 @@ class PrimaryView:
         address = ctypes.addressof(ctypes.c_char.from_buffer(self._flat))
         return address, self.num_rows * self.row_bytes
 
+    def as_rows(self) -> memoryview:
+        """The whole region as one 2-D memoryview, shaped ``(num_rows, row_bytes)``:
+        ``strides[0]`` is the row length and the first index a slot. For a tier written
+        against an interface that takes the region at once (vLLM's tier plugins). Its
+        rows are not tracked: whoever hands it out takes ``view[chunk_id]`` for each
+        slot the holder may touch and keeps it while it may."""
+        return self._flat.cast("B", (self.num_rows, self.row_bytes))
+
     def in_use(self, chunk_id: int) -> bool:
         """Whether a row of ``chunk_id`` handed out earlier is still referenced."""
         return self._live[chunk_id] > 0

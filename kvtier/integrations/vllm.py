@@ -184,6 +184,9 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
             **_canonical(config),
         )
         self.kvtier_spec: CPUOffloadingSpec = _kvtier_spec_class(extra)(self.kvtier_config)
+        if isinstance(self.kvtier_spec, TieringOffloadingSpec):
+            # A tier written for vLLM is built with vLLM's spec, as vLLM builds it.
+            self.kvtier_spec.host_spec = self
         self._manager: KVTierOffloadingManager | None = None
 
     def get_manager(self) -> KVTierOffloadingManager:

@@ -32,6 +32,9 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
     """
 
     has_secondary_tiers = True
+    #: The host's own spec for this engine, handed to every tier as
+    #: ``TierContext.host_spec`` (set by the vLLM adapter to vLLM's spec).
+    host_spec: object | None = None
 
     @property
     def namespace(self) -> str:
@@ -110,4 +113,6 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             primary=PrimaryAccess(region.primary_view),
             enable_events=self.config.enable_kv_events,
             job_timeout_s=tier.runner.job_timeout_s,
+            tier_type=tier.type_name,
+            host_spec=self.host_spec,
         )

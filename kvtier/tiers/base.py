@@ -173,6 +173,11 @@ class TierContext:
     #: The framework's time-out for one job of this tier; a tier that bounds its own
     #: retries ends them well before it.
     job_timeout_s: float = 30.0
+    #: The configuration's ``type`` as written (a registered name or a class name).
+    tier_type: str = ""
+    #: The host's own spec object for this engine, where the host has one (vLLM's
+    #: ``OffloadingSpec`` under vLLM): for tiers written against a host's interface.
+    host_spec: Any = None
 
     def read(self, params: Mapping[str, Any]) -> ConfigReader:
         """A reader over this tier's parameters whose errors name ``config_path``."""

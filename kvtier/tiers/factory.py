@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from kvtier._plugins import PluginRegistry
+from kvtier._plugins import Foreign, PluginRegistry
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import SecondaryTier, TierContext
 
@@ -34,12 +35,44 @@ def framework_keys() -> frozenset[str]:
     return frozenset((*_OWN_KEYS, *runner))
 
 
+#: Where vLLM 0.33 defines its tier interface, ``SecondaryTierManager``.
+_VLLM_TIER_BASE = ("vllm.v1.kv_offload.tiering.base", "SecondaryTierManager")
+
+
+def _adapt_vllm_tier(target: object) -> type[SecondaryTier] | None:
+    """The adapter for a vLLM ``SecondaryTierManager`` subclass; None for anything else.
+
+    Recognised by its bases' names, so that nothing here imports vLLM: such a class
+    exists only where vLLM is imported already.
+    """
+    if not isinstance(target, type):
+        return None
+    if not any((base.__module__, base.__qualname__) == _VLLM_TIER_BASE for base in target.__mro__):
+        return None
+    from kvtier.integrations.vllm_plugin import adapter_for
+
+    return adapter_for(target)
+
+
+def _find_vllm_tier(name: str) -> object | None:
+    """The class vLLM's own ``SecondaryTierFactory`` has registered as ``name``; None
+    where it has none, or where vLLM is not loaded (then nobody registered one)."""
+    if "vllm" not in sys.modules:
+        return None
+    from kvtier.integrations.vllm_plugin import registered_tier
+
+    return registered_tier(name)
+
+
 class SecondaryTierFactory:
     """Tier types by name: built-in (one registry line each below), registered, or
     imported.
 
     A tier configuration's ``type`` is a registered name, or the name of a
-    :class:`SecondaryTier` subclass to import from its ``module_path``.
+    :class:`SecondaryTier` subclass to import from its ``module_path``. A tier written
+    for vLLM 0.33 (a ``SecondaryTierManager`` subclass, named the same way or
+    registered with vLLM's own ``SecondaryTierFactory``) is run through
+    :class:`~kvtier.integrations.vllm_plugin.VllmPluginTier`.
     """
 
     _registry: ClassVar[PluginRegistry[SecondaryTier]] = PluginRegistry(
@@ -47,6 +80,7 @@ class SecondaryTierFactory:
         "tier type",
         "type",
         "module_path",
+        Foreign("a vLLM SecondaryTierManager", _adapt_vllm_tier, _find_vllm_tier),
     )
     _registry.register("example", "kvtier.tiers.example", "ExampleTier")
     _registry.register("fs", "kvtier.tiers.fs", "FileSystemTier")
