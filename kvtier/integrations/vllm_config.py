@@ -84,6 +84,13 @@ _FS_NAMES = {
 _OBJECT_STORE_NAMES = {"io_threads": "max_concurrency"}
 _TIER_NAMES = {"fs": _FS_NAMES, "obj": _OBJECT_STORE_NAMES, "s3": _OBJECT_STORE_NAMES}
 
+#: vLLM's built-in eviction policies named as out-of-tree classes would be, as the
+#: names kvtier has them under.
+_VLLM_POLICY_CLASSES = {
+    ("vllm.v1.kv_offload.cpu.policies.lru", "LRUCachePolicy"): "lru",
+    ("vllm.v1.kv_offload.cpu.policies.arc", "ARCCachePolicy"): "arc",
+}
+
 #: vLLM's back-pressure classes, by the names its factory takes: short, or under this
 #: module.
 _BACKPRESSURE_MODULE = "vllm.v1.kv_offload.tiering.backpressure"
@@ -201,6 +208,7 @@ def translate(extra_config: Mapping[str, Any]) -> Translation:
             )
         )
     _rename(out, "", _TOP_NAMES, readings)
+    _eviction_policy(out, readings)
     tiers = out.get("secondary_tiers")
     top = out.get("backpressure")
     if isinstance(top, Mapping):
@@ -222,6 +230,22 @@ def translate(extra_config: Mapping[str, Any]) -> Translation:
             for i, tier in enumerate(tiers)
         ]
     return Translation(out, tuple(readings))
+
+
+def _eviction_policy(out: dict[str, Any], readings: list[KeyReading]) -> None:
+    """vLLM's own LRU or ARC policy, named by its class and module, as kvtier's."""
+    named: tuple[Any, Any] = (out.get("cache_policy_module_path"), out.get("eviction_policy"))
+    policy = _VLLM_POLICY_CLASSES.get(named)
+    if policy is None:
+        return
+    del out["cache_policy_module_path"]
+    out["eviction_policy"] = policy
+    readings.append(
+        KeyReading(
+            "eviction_policy, cache_policy_module_path",
+            f"eviction_policy = {policy} (kvtier's own {policy.upper()})",
+        )
+    )
 
 
 def _tier(

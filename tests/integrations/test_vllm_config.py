@@ -111,6 +111,14 @@ def test_a_null_failure_threshold_keeps_kvtiers_way_with_failed_stores():
     )
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_vllms_own_policy_classes_are_kvtiers_policies_of_the_same_name(policy):
+    module = f"vllm.v1.kv_offload.cpu.policies.{policy}"
+    extra = {"eviction_policy": f"{policy.upper()}CachePolicy", "cache_policy_module_path": module}
+    translated = translate(extra).extra_config
+    assert translated == {"eviction_policy": policy}
+
+
 @pytest.mark.parametrize(
     ("store_config", "endpoint_url"),
     [
