@@ -486,8 +486,9 @@ def _peer(out: dict[str, Any], path: str, readings: list[KeyReading]) -> None:
     """vLLM's p2p tier's keys as kvtier's p2p tier's.
 
     Raises:
-        ConfigError: both ``host``/``port`` and ``listen`` are set; neither ``secret``
-            nor ``secret_file`` is (vLLM's p2p tier needs none).
+        ConfigError: both ``host``/``port`` and ``listen`` are set;
+            ``unbound_store_timeout_s`` is not a positive number (as vLLM checks it);
+            neither ``secret`` nor ``secret_file`` is set (vLLM's p2p tier needs none).
     """
     if "host" in out or "port" in out:
         if "listen" in out:
@@ -500,6 +501,13 @@ def _peer(out: dict[str, Any], path: str, readings: list[KeyReading]) -> None:
         port = out.pop("port", None)
         out["listen"] = f"{host}:{_P2P_PORT if port is None else port}"
         readings.append(KeyReading(given, f"{path}.listen = {out['listen']}"))
+    timeout = out.get("unbound_store_timeout_s")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise ConfigError(
+            f"{path}.unbound_store_timeout_s", f"expected a number > 0, got {timeout!r}"
+        )
     for key, why in _P2P_UNUSED.items():
         if key in out:
             del out[key]

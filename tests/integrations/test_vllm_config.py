@@ -91,6 +91,13 @@ def test_backpressure_merges_as_vllm_merges_it(engine_id):
     assert second.backpressure.high_water == 0.005
 
 
+def test_an_unknown_tier_type_under_vllms_detector_is_named_by_kvtiers_reading(engine_id):
+    named = {"backpressure_cls": "EMABackpressureDetector"}
+    extra = tier_with({"type": "nosuchtier", "backpressure": named})
+    with pytest.raises(ConfigError, match=r"^secondary_tiers\[0\]\.type: unknown tier type"):
+        settings_of(engine_id, extra)
+
+
 def test_a_null_failure_threshold_keeps_kvtiers_way_with_failed_stores():
     extra = tier_with(
         {
@@ -224,6 +231,12 @@ def test_readings_never_show_a_credential(tmp_path):
             "secondary_tiers[0].secret_file",
             "vLLM's p2p tier (NIXL transfers to peers named per request in kv_transfer_params",
             id="p2p-without-a-secret",
+        ),
+        pytest.param(
+            tier_with({"type": "p2p", "unbound_store_timeout_s": 0, "secret_file": "/s"}),
+            "secondary_tiers[0].unbound_store_timeout_s",
+            "expected a number > 0",
+            id="p2p-hold-time-not-positive",
         ),
         pytest.param(
             {"tier_poll_interval_s": "fast"},
