@@ -10,8 +10,18 @@ __all__ = ["SECRET_KEYS", "Secret", "redact"]
 _V = TypeVar("_V", str, bytes)
 
 #: Setting names whose values are credentials: logs, reprs and errors never show them.
+#: ``access_key`` and ``secret_key`` are vLLM's names in an object store's ``store_config``.
 SECRET_KEYS = frozenset(
-    {"secret", "secret_access_key", "session_token", "access_key_id", "password", "token"}
+    {
+        "secret",
+        "secret_access_key",
+        "session_token",
+        "access_key_id",
+        "access_key",
+        "secret_key",
+        "password",
+        "token",
+    }
 )
 
 

@@ -336,9 +336,15 @@ class ConfigReader:
         return value
 
     def choice(self, key: str, kind: type[_E], default: Any = _REQUIRED) -> Any:
-        """One member of the ``str`` enum ``kind``, named by its value; ``default`` may
-        be a member or its value."""
-        value = self.string(key, default, choices=[member.value for member in kind])
+        """One member of the ``str`` enum ``kind``, named by its value in any case
+        (vLLM writes ``"REMOTE"`` where kvtier writes ``"remote"``); ``default`` may be a
+        member or its value."""
+        values = {member.value.lower(): member.value for member in kind}
+        given = self._mapping.get(key)
+        if isinstance(given, str) and given.lower() in values:
+            self._seen.add(key)
+            return kind(values[given.lower()])
+        value = self.string(key, default, choices=list(values.values()))
         return kind(value)
 
     def string_list(self, key: str, default: Any = _REQUIRED) -> Any:

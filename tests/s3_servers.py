@@ -7,13 +7,15 @@
   and filer (the S3 server of SGLang's and LMCache's SeaweedFS backends), for the
   contract, integration and outage tests;
 - :class:`ChaosProxy`: a TCP proxy in front of either that answers 503 SlowDown or
-  stops answering on demand, to exercise retries and time-outs against real traffic.
+  stops answering on demand, to exercise retries and time-outs against real traffic;
+- :class:`TlsProxy`: TLS in front of either, with a certificate of a private authority.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
@@ -44,6 +46,7 @@ __all__ = [
     "RcloneS3Server",
     "S3Server",
     "SeaweedS3Server",
+    "TlsProxy",
     "free_port",
     "fresh_bucket",
     "put_object",
@@ -246,6 +249,48 @@ async def _answer(
         + (b"" if method == "HEAD" else body)
     )
     await writer.drain()
+
+
+class TlsProxy(LoopbackServer):
+    """An https endpoint on loopback in front of an S3 server on ``upstream_port``, its
+    certificate (for 127.0.0.1) signed by ``ca`` (a ``trustme.CA``): a server whose
+    authority only a ``ca_bundle`` makes trusted."""
+
+    def __init__(self, upstream_port: int, ca: Any) -> None:
+        super().__init__()
+        self.upstream_port = upstream_port
+        self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("127.0.0.1").configure_cert(self._context)
+
+    @property
+    def endpoint(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> TlsProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self._context)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._stop(cancel_handlers=True)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = self._serving(writer)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+            self._writers.add(upstream)
+            await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+        except OSError:
+            pass
+        finally:
+            for end in (writer, upstream):
+                if end is not None:
+                    self._writers.discard(end)
+                    end.close()
+                    with contextlib.suppress(OSError, asyncio.CancelledError):
+                        await end.wait_closed()
+            self._handlers.discard(task)
 
 
 async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import keys
 from kvtier_cli import KVTIER, kvtier
+from vllm_keys import vllm_tiering_config
 
 from kvtier.cli import main
 from kvtier.format import ChunkFormat, NamespaceDescription, chunk_path, namespace_directory
@@ -370,6 +371,48 @@ def test_plan_checks_the_readme_vllm_configuration_as_the_adapter_reads_it(tmp_p
     )
 
 
+def test_plan_shows_how_each_key_of_vllms_tiering_spec_was_read(tmp_path):
+    extra = vllm_tiering_config(str(tmp_path / "fs"), endpoint="minio.internal:9000")
+    result = plan_of(tmp_path, extra, "--json")
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    readings = shown["vllm_readings"]
+    for reading in [
+        "tier_poll_interval_s -> not used: kvtier's tiers run on their own event loop",
+        "max_tracker_size -> max_tracked_lookups = 32000",
+        "backpressure.backpressure_cls -> kvtier's detector (vLLM's EMABackpressureDetector)",
+        "backpressure.policy_cls -> backpressure.policy = throttled",
+        "backpressure -> merged field by field under each tier's own backpressure",
+        "secondary_tiers[0].max_bytes -> secondary_tiers[0].capacity_bytes = 1073741824",
+        "secondary_tiers[0].backpressure.high_water_s -> secondary_tiers[0].backpressure."
+        "high_water = 0.02",
+        "secondary_tiers[0].backpressure.warmup_completions -> secondary_tiers[0].backpressure."
+        "warmup = 5",
+        "secondary_tiers[1].store_config.endpoint_override -> secondary_tiers[1].endpoint_url = "
+        "http://minio.internal:9000",
+        "secondary_tiers[1].store_config.access_key -> secondary_tiers[1].access_key_id = <hidden>",
+        "secondary_tiers[1].io_threads -> secondary_tiers[1].max_concurrency = 8",
+        "secondary_tiers[1].locality -> secondary_tiers[1].locality = remote",
+        "secondary_tiers[1].enable_kv_events -> secondary_tiers[1].enable_kv_events = False: "
+        "this tier reports no events",
+        "secondary_tiers[1].backpressure -> vLLM's EMABackpressureDetector defaults for a remote "
+        "storage tier where not set: high_water = 0.05, low_water = 0.01, warmup = 10, "
+        "failure_threshold = 3",
+    ]:
+        assert any(line.startswith(reading) for line in readings), reading
+    fs, obj = shown["tiers"]
+    assert fs["settings"]["capacity_bytes"] == 1 << 30 and fs["enable_kv_events"] is True
+    assert obj["settings"]["endpoint_url"] == "http://minio.internal:9000"
+    assert obj["backpressure"]["failure_threshold"] == 3
+
+    text = plan_of(tmp_path, extra)
+    assert text.returncode == 0, text.stderr
+    assert "\nvLLM keys read as\n  tier_poll_interval_s -> not used" in text.stdout
+    for answer in (result, text):
+        assert "AKIDVLLMKEYS" not in answer.stdout
+        assert "vllm-secret-key-never-shown" not in answer.stdout
+
+
 def test_plan_never_imports_vllm_to_check_a_vllm_configuration(tmp_path):
     config = tmp_path / "vllm-extra.json"
     config.write_text(json.dumps(readme_vllm_extra_config()))
@@ -398,6 +441,18 @@ def test_plan_never_imports_vllm_to_check_a_vllm_configuration(tmp_path):
             "blocks_per_chunk: unknown setting: a key of vLLM's kv_connector_extra_config, which "
             "TieringOffloadingSpec does not read",
             id="blocks-per-chunk-under-kvtier-s-own-spec",
+        ),
+        pytest.param(
+            {
+                "spec_name": "TieringOffloadingSpec",
+                "spec_module_path": None,
+                "secondary_tiers": [],
+                "backpressure": {"high_water_s": 0.02},
+            },
+            "backpressure.high_water_s: unknown setting: vLLM's name for back-pressure's "
+            "high_water, which TieringOffloadingSpec does not read: for vLLM, name kvtier's "
+            "adapter",
+            id="vllm-backpressure-key-under-kvtier-s-own-spec",
         ),
         pytest.param(
             {"block_size": 64},

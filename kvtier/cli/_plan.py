@@ -72,6 +72,7 @@ def plan_command(args: argparse.Namespace) -> int:
         ADAPTER_SPEC,
         VLLM_KEYS,
         names_adapter,
+        translate,
     )
     from kvtier.specs.factory import with_spec_name
 
@@ -106,12 +107,15 @@ def plan_command(args: argparse.Namespace) -> int:
             for key in sorted(VLLM_KEYS - {"spec_name", "spec_module_path"})
             if key in extra
         }
+        # How each key of vLLM's tiering spec and tiers was read (renamed, or unused).
+        plan["vllm_readings"] = [str(reading) for reading in translate(extra).readings]
     plan |= {
         "cpu_bytes_to_use": settings.cpu_bytes_to_use,
         "block_size": settings.block_size,
         "eviction_policy": settings.eviction_policy,
         "cache_policy_module_path": settings.cache_policy_module_path,
         "store_threshold": settings.store_threshold,
+        "max_tracked_lookups": settings.max_tracked_lookups,
         "offload_prompt_only": settings.offload_prompt_only,
         "recompute_s_per_chunk": settings.recompute_s_per_chunk,
         "max_pending_s": settings.max_pending_s,
@@ -130,13 +134,19 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**plan, "tiers": tiers}, indent=2))
         return 0
+    readings = plan.pop("vllm_readings", [])
     width = max(len(key) for key in plan)
     for key, value in plan.items():
         print(f"{key:<{width}}  {_shown(value)}")
+    if readings:
+        print("vLLM keys read as")
+        for reading in readings:
+            print(f"  {reading}")
     print(f"{'tiers':<{width}}  {len(tiers) or 'none (the primary tier only)'}")
     for tier in tiers:
         print(f"tier {tier['label']}  {tier['class']} ({tier['locality']})")
         rows = {key: tier[key] for key in _RUNNER_FIELDS}
+        rows["enable_kv_events"] = tier["enable_kv_events"]
         rows["backpressure"] = tier["backpressure"] or "off"
         if tier["settings"] is not None:
             rows.update(tier["settings"])
@@ -157,6 +167,7 @@ def _plan_tier(tier: TierConfig) -> dict[str, Any]:
         "type": tier.type_name,
         "class": f"{tier.tier_class.__module__}.{tier.tier_class.__qualname__}",
         "locality": tier.locality,
+        "enable_kv_events": tier.events,
         **_as_data(tier.runner),
         "backpressure": _jsonable(tier.backpressure),
         "settings": _jsonable(tier.settings),

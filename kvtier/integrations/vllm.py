@@ -65,7 +65,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig as VllmOffloadingConfig
 import kvtier
 from kvtier.config import OffloadingConfig
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm_config import translate_extra_config
+from kvtier.integrations.vllm_config import translate, translate_extra_config
 from kvtier.integrations.vllm_stats import StatsRecorder, vllm_metric_definitions
 from kvtier.integrations.vllm_tiers import TierDescriptions
 from kvtier.keys import OffloadKey
@@ -136,7 +136,9 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
     """vLLM's ``OffloadingSpec`` over kvtier: the primary tier, then ``secondary_tiers``.
 
     Reads kvtier's ``extra_config`` keys (``cpu_bytes_to_use``, ``eviction_policy``,
-    ``secondary_tiers``, ``backpressure``, ...) and accepts vLLM's own; the chunk size
+    ``secondary_tiers``, ``backpressure``, ...) and accepts vLLM's own and those of
+    vLLM's ``TieringOffloadingSpec`` and its tiers, translated by
+    :mod:`kvtier.integrations.vllm_config` (each translation logged); the chunk size
     is the one vLLM resolved from ``block_size`` or ``blocks_per_chunk``. Models with
     several KV-cache groups store each group's chunks under its own keys; the groups
     are part of the storage namespace.
@@ -166,7 +168,10 @@ class KVTierOffloadingSpec(vllm_base.OffloadingSpec):  # type: ignore[misc]
         # The chunk's token count is the first group's; groups of other block sizes
         # (a Mamba group's larger blocks) name theirs in the namespace.
         tokens_per_block = config.groups[0].tokens_per_block
-        extra = translate_extra_config(config.extra_config)
+        translation = translate(config.extra_config)
+        for reading in translation.readings:
+            logger.info("vLLM's %s", reading)
+        extra = translation.extra_config
         extra["block_size"] = tokens_per_block * self.blocks_per_chunk
         # vLLM's connector then lets rank 0 alone submit the stores of a direct layout.
         self.replicated_layout = bool(config.replicated_layout)

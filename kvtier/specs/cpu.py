@@ -34,7 +34,8 @@ class CPUOffloadingSpec(OffloadingSpec):
 
     Uses ``cpu_bytes_to_use`` (required), ``eviction_policy`` and
     ``cache_policy_module_path``, and ``store_threshold`` (>= 2: store a chunk only
-    once it was looked up that many times), from :attr:`settings`.
+    once it was looked up that many times; ``max_tracked_lookups`` keys counted at
+    most), from :attr:`settings`.
     """
 
     def __init__(self, config: OffloadingConfig, **kwargs: Any) -> None:
@@ -91,6 +92,7 @@ class CPUOffloadingSpec(OffloadingSpec):
                     region=region,
                     metrics=self.new_metrics(),
                     store_threshold=self.settings.store_threshold,
+                    max_tracked_lookups=self.settings.max_tracked_lookups,
                 )
                 building.pop_all()  # the manager owns the region now
             logger.info(

@@ -38,6 +38,7 @@ from kvtier.tiers.factory import SecondaryTierFactory
 
 __all__ = [
     "DEFAULT_EVICTION_POLICY",
+    "DEFAULT_MAX_TRACKED_LOOKUPS",
     "LOCAL_PROMOTION_CHUNKS",
     "MetricSettings",
     "SpecSettings",
@@ -60,6 +61,10 @@ DEFAULT_EVICTION_POLICY = "lru"
 LOCAL_PROMOTION_CHUNKS = 32
 
 _RUNNER_DEFAULTS = RunnerSettings()
+
+# The store gate's memory of lookup counts: 64,000 keys (vLLM's default too) cost a few
+# MiB and cover the prefixes of many thousands of requests between two of their lookups.
+DEFAULT_MAX_TRACKED_LOOKUPS = 64_000
 
 
 def tier_path(index: int) -> str:
@@ -98,6 +103,9 @@ class TierConfig:
     #: the record the tier is built from. None for a tier that reads its keyword
     #: arguments itself.
     settings: Any
+    #: ``enable_kv_events`` (default true): the tier reports its stores and evictions
+    #: whenever the engine takes events; false keeps it quiet.
+    events: bool = True
 
     @property
     def options(self) -> TierOptions:
@@ -133,6 +141,7 @@ class TierConfig:
         name: str | None = reader.string("name", None)
         if name is not None and (":" in name or not name.isprintable()):
             raise ConfigError(f"{path}.name", "expected a printable name without ':'")
+        events: bool = reader.boolean("enable_kv_events", True)
         runner = _runner_settings(reader, locality)
         own = reader.mapping("backpressure", None)
         backpressure = None
@@ -154,6 +163,7 @@ class TierConfig:
             backpressure=backpressure,
             params=MappingProxyType(dict(params)),
             settings=settings,
+            events=events,
         )
 
 
@@ -226,6 +236,9 @@ class SpecSettings:
     policy_class: type[CachePolicy]
     #: >= 2: store a chunk only once it was looked up that many times (CPU spec).
     store_threshold: int
+    #: Keys whose lookups the store gate counts at most (the least recently looked up
+    #: are forgotten first).
+    max_tracked_lookups: int
     #: Host hint: offload prompt chunks only, not those produced while decoding.
     offload_prompt_only: bool
     #: Seconds of prefill one chunk costs the host: a secondary hit whose promotion
@@ -285,6 +298,9 @@ class SpecSettings:
             eviction_policy, cache_policy_module_path
         )
         store_threshold: int = reader.integer("store_threshold", 0, minimum=0)
+        max_tracked_lookups: int = reader.integer(
+            "max_tracked_lookups", DEFAULT_MAX_TRACKED_LOOKUPS, minimum=1
+        )
         recompute_s_per_chunk: float | None = reader.number(
             "recompute_s_per_chunk", None, minimum=0, exclusive_minimum=True
         )
@@ -331,6 +347,7 @@ class SpecSettings:
             cache_policy_module_path=cache_policy_module_path,
             policy_class=policy_class,
             store_threshold=store_threshold,
+            max_tracked_lookups=max_tracked_lookups,
             offload_prompt_only=offload_prompt_only,
             recompute_s_per_chunk=recompute_s_per_chunk,
             max_pending_s=max_pending_s,

@@ -25,10 +25,11 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
     Each entry of ``secondary_tiers`` is a mapping with a ``type`` (``example``,
     ``fs``, a registered name, or a class name with ``module_path``), the tier's own
     parameters, and optionally the framework's keys (``name``, ``locality``,
-    ``backpressure`` and those of :class:`~kvtier.tiering.runner.RunnerSettings`); a
-    top-level ``backpressure`` mapping supplies defaults, merged field by field under
-    each tier's own. :attr:`settings` holds them parsed, one
-    :class:`~kvtier.specs.settings.TierConfig` per tier.
+    ``backpressure``, ``enable_kv_events`` and those of
+    :class:`~kvtier.tiering.runner.RunnerSettings`); a top-level ``backpressure``
+    mapping supplies defaults, merged field by field under each tier's own.
+    :attr:`settings` holds them parsed, one :class:`~kvtier.specs.settings.TierConfig`
+    per tier.
     """
 
     has_secondary_tiers = True
@@ -111,7 +112,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             model_name=self.config.model_name,
             metrics=metrics,
             primary=PrimaryAccess(region.primary_view),
-            enable_events=self.config.enable_kv_events,
+            enable_events=self.config.enable_kv_events and tier.events,
             job_timeout_s=tier.runner.job_timeout_s,
             tier_type=tier.type_name,
             host_spec=self.host_spec,

@@ -7,7 +7,10 @@ pressured when it falls below ``low_water`` (hysteresis) and a further ``cooldow
 has passed, so a tier that just recovered is not flooded by the backlog at once. With
 no completions the average decays towards zero with ``decay_half_life_s``, so a tier
 whose cascades are all being dropped still recovers. A failed store counts as a sample
-of three times the high mark.
+of three times the high mark; with a ``failure_threshold`` of n, failed stores feed no
+sample and instead n of them in a row put the tier under pressure at once, even while
+warming up (a full disk fails fast, so its latency says nothing), and a store that
+succeeds starts the count again.
 
 While pressured, the ``drop`` policy drops every cascade; ``throttled`` drops a share
 that grows linearly from none at the high mark to all at three times the high mark.
@@ -32,6 +35,10 @@ _MIB = float(1 << 20)
 # Stores smaller than this still count as this much: timer and scheduling noise would
 # otherwise turn a 4 KiB store into a huge per-MiB latency.
 _MIN_SAMPLE_MIB = 0.25
+# Where failures in a row put the average: above the throttled policy's drop-all point
+# (three times the high mark), so every cascade is dropped until idle decay lets one
+# through to probe the tier.
+_FAILURE_EMA_FACTOR = 4.0
 
 #: Water marks (s/MiB) by locality: a local NVMe writes 1 MiB in well under 1 ms; 5 ms
 #: per MiB (200 MB/s) means it is saturated. Remote stores have more latency per MiB.
@@ -62,6 +69,9 @@ class BackpressureSettings:
     warmup: int = 3
     decay_half_life_s: float = 2.0
     cooldown_s: float = 1.0
+    #: Failed stores in a row that put the tier under pressure; None: each failed
+    #: store is a slow sample instead (the module's docstring says how).
+    failure_threshold: int | None = None
 
     @classmethod
     def parse(
@@ -95,6 +105,7 @@ class BackpressureSettings:
                 "decay_half_life_s", default.decay_half_life_s, minimum=0, exclusive_minimum=True
             ),
             cooldown_s=reader.number("cooldown_s", default.cooldown_s, minimum=0),
+            failure_threshold=reader.integer("failure_threshold", None, minimum=1),
         )
         reader.reject_unknown()
         if check_marks and settings.low_water > settings.high_water:
@@ -121,11 +132,19 @@ class Backpressure:
         self._drop_debt = 0.0
         self.stores_dropped = 0
         self.chunks_dropped = 0
+        #: Failed stores since the last one that succeeded (with a failure_threshold).
+        self.failures_in_a_row = 0
+        self._failure_tripped = False
 
     def record(self, elapsed_s: float, nbytes: int, *, failed: bool = False) -> None:
         """Fold in one finished cascade."""
         now = self._clock()
         self._decay(now)
+        if self.settings.failure_threshold is not None:
+            if failed:
+                self._count_failure(now)
+                return
+            self.failures_in_a_row = 0
         sample = elapsed_s / max(nbytes / _MIB, _MIN_SAMPLE_MIB)
         if failed:
             sample = max(sample, 3 * self.settings.high_water)
@@ -134,6 +153,16 @@ class Backpressure:
         self.completions += 1
         self._last_sample = now
         self._judge(now)
+
+    def _count_failure(self, now: float) -> None:
+        threshold = self.settings.failure_threshold
+        self.failures_in_a_row += 1
+        if threshold is None or self.failures_in_a_row < threshold:
+            return
+        self.ema = max(self.ema, _FAILURE_EMA_FACTOR * self.settings.high_water)
+        self._last_sample = now
+        self.pressured = self._failure_tripped = True
+        self._below_low_since = None
 
     def admit(self, chunks: int) -> bool:
         """Whether a cascade of ``chunks`` chunks may go to the tier now (counts drops)."""
@@ -177,7 +206,7 @@ class Backpressure:
 
     def _judge(self, now: float) -> None:
         settings = self.settings
-        if self.completions < settings.warmup:
+        if self.completions < settings.warmup and not self._failure_tripped:
             return
         if self.ema > settings.high_water:
             self.pressured = True
@@ -186,6 +215,6 @@ class Backpressure:
             if self._below_low_since is None:
                 self._below_low_since = now
             if now - self._below_low_since >= settings.cooldown_s:
-                self.pressured = False
+                self.pressured = self._failure_tripped = False
                 self._below_low_since = None
                 self._drop_debt = 0.0

@@ -17,16 +17,17 @@ __all__ = ["SecondaryTierFactory", "framework_keys", "takes_settings"]
 
 #: Keys of a tier's mapping that select and label it and set its framework options
 #: other than how its jobs run.
-_OWN_KEYS = ("type", "module_path", "name", "backpressure", "locality")
+_OWN_KEYS = ("type", "module_path", "name", "backpressure", "locality", "enable_kv_events")
 
 
 @functools.cache
 def framework_keys() -> frozenset[str]:
     """Keys of a tier's configuration that the framework reads; the rest go to the tier.
 
-    How the tier is found and labelled, its ``locality`` and ``backpressure``, and a
-    key per field of :class:`~kvtier.tiering.runner.RunnerSettings`, the record of how
-    its jobs run: a field added there is a framework key at once.
+    How the tier is found and labelled, its ``locality``, ``backpressure`` and
+    ``enable_kv_events``, and a key per field of
+    :class:`~kvtier.tiering.runner.RunnerSettings`, the record of how its jobs run: a
+    field added there is a framework key at once.
     """
     # Imported on the first call: the tiering engine imports this package as it loads.
     from kvtier.tiering.runner import RunnerSettings

@@ -145,6 +145,20 @@ def test_backpressure_defaults_merge_field_by_field_under_each_tier(engine_id):
     spec.shutdown()
 
 
+def test_failure_threshold_is_read_and_merged_like_every_backpressure_key(engine_id):
+    tiers = [{"type": "example", "backpressure": {}}, {"type": "example", "backpressure": {}}]
+    tiers[1]["backpressure"]["failure_threshold"] = 5
+    spec = spec_for(engine_id, tiers, backpressure={"failure_threshold": 2})
+    try:
+        assert [t.backpressure.failure_threshold for t in spec.settings.tiers] == [2, 5]
+    finally:
+        spec.shutdown()
+    with pytest.raises(
+        ConfigError, match=r"^backpressure\.failure_threshold: expected a value >= 1"
+    ):
+        spec_for(engine_id, tiers, backpressure={"failure_threshold": 0})
+
+
 def test_backpressure_is_off_unless_configured(engine_id):
     spec = spec_for(engine_id, [{"type": "example"}])
     assert spec.settings.tiers[0].backpressure is None
@@ -221,6 +235,22 @@ def test_a_remote_locality_is_the_one_every_reader_sees(engine_id):
         assert tier.runner.max_promotion_chunks is None
     finally:
         spec.shutdown()
+
+
+@pytest.mark.parametrize(("written", "read"), [("REMOTE", "remote"), ("Local", "local")])
+def test_locality_is_read_in_any_case(engine_id, written, read):
+    spec = spec_for(engine_id, [{"type": "example", "locality": written, "backpressure": {}}])
+    try:
+        [tier] = spec.settings.tiers
+        assert tier.locality == read
+        assert tier.backpressure.high_water == (0.020 if read == "remote" else 0.005)
+    finally:
+        spec.shutdown()
+
+
+def test_an_unknown_locality_is_named_with_the_choices(engine_id):
+    with pytest.raises(ConfigError, match=r"^secondary_tiers\[0\]\.locality: expected one of"):
+        spec_for(engine_id, [{"type": "example", "locality": "nearby"}])
 
 
 def test_a_tier_without_locality_takes_its_class_one(engine_id, tmp_path):

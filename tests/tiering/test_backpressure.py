@@ -91,6 +91,31 @@ def test_a_failure_counts_as_pressure():
     assert bp.pressured
 
 
+def test_failures_in_a_row_reach_the_failure_threshold_even_while_warming_up():
+    bp, _ = detector(warmup=10, failure_threshold=3, policy="drop")
+    bp.record(0.0, MIB, failed=True)
+    bp.record(0.0, MIB, failed=True)
+    assert not bp.pressured  # two failures are not yet a failing tier
+    bp.record(0.0, MIB, failed=True)
+    assert bp.pressured and not bp.admit(1)
+
+
+def test_a_store_that_succeeds_starts_the_failure_count_again():
+    bp, _ = detector(warmup=0, failure_threshold=2)
+    bp.record(0.0, MIB, failed=True)
+    bp.record(0.0001, MIB)
+    bp.record(0.0, MIB, failed=True)
+    assert not bp.pressured and bp.failures_in_a_row == 1
+
+
+def test_a_tier_under_pressure_for_its_failures_recovers_by_idle_decay():
+    bp, clock = detector(warmup=10, failure_threshold=1, policy="drop", cooldown_s=0.0)
+    bp.record(0.0, MIB, failed=True)
+    assert not bp.admit(1)
+    clock.now += 30  # nothing reached the tier: the average decays below the low mark
+    assert bp.admit(1) and not bp.pressured
+
+
 def test_small_stores_are_not_inflated_per_mib():
     bp, _ = detector(warmup=0, alpha=1.0, high_water=0.005)
     bp.record(0.0005, 4096)  # 0.5 ms for 4 KiB is no sign of pressure

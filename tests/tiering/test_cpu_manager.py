@@ -95,6 +95,17 @@ def test_metrics_land_on_the_callers_registry_only(engine_id):
     spec.shutdown()
 
 
+def test_max_tracked_lookups_bounds_the_keys_the_store_gate_counts(engine_id):
+    spec, manager = manager_for(engine_id, store_threshold=2, max_tracked_lookups=1)
+    first, second = keys("tracked", 2)
+    # The second key's lookup pushes the first one's count out of the gate's memory.
+    for key in (first, second, first):
+        manager.lookup(key, REQ)
+    out = manager.prepare_store([first], REQ)
+    assert out is not None and out.keys_to_store == []
+    spec.shutdown()
+
+
 def test_events_are_recorded_when_enabled(engine_id):
     spec, manager = manager_for(engine_id, enable_kv_events=True, cpu_bytes_to_use=4096)
     a, b = keys("ev", 2)

@@ -278,6 +278,16 @@ async def test_events_come_primary_first_then_each_tier(engine_id):
         ]
 
 
+async def test_a_tier_with_enable_kv_events_false_reports_no_events(engine_id):
+    tiers = [{"type": "example", "enable_kv_events": False}, {"type": "example"}]
+    async with opened(engine_id, tiers, chunks=4, enable_kv_events=True) as manager:
+        [key] = keys("quiet", 1)
+        fill(manager, [key])
+        await settle(manager)
+        events = manager.take_events()
+        assert [e.tier for e in events] == ["0:primary", "2:example"]
+
+
 async def test_reset_cache_keeps_secondary_data(engine_id):
     async with opened(engine_id, [{"type": "example"}], chunks=4) as manager:
         [key] = keys("reset", 1)

@@ -62,6 +62,7 @@ EVERY_PARAMETER: dict[type, dict[str, Any]] = {
         "secret_access_key": SECRET,
         "session_token": TOKEN,
         "addressing_style": "virtual",
+        "ca_bundle": "/etc/kv/ca.pem",
         "max_concurrency": 4,
         "multipart_threshold": 8 * MIB,
         "multipart_part_bytes": 6 * MIB,

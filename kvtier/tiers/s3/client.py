@@ -199,6 +199,8 @@ class S3Client(AsyncResource):
             endpoint_url=self.settings.endpoint_url,
             region_name=self.settings.region,
             config=self.aio_config(),
+            # None: botocore verifies https endpoints against the system's authorities.
+            verify=self.settings.ca_bundle,
             **self.settings.credentials(),
         ) as client:
             # botocore asks to "Expect: 100-continue" before every body it can read,

@@ -85,6 +85,9 @@ class S3Settings:
     #: ``auto``. Default: ``path`` with an ``endpoint_url`` (what S3-speaking servers
     #: other than AWS understand), else ``auto``.
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    #: A PEM file of the authorities that sign an ``https`` endpoint's certificate (a
+    #: server signed by a private CA). None (the default): the system's authorities.
+    ca_bundle: str | None = None
     #: Requests in flight at once (16), also the size of the connection pool.
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY
     #: Objects of this many bytes or more go up as multipart uploads (64 MiB).
@@ -162,6 +165,7 @@ class S3Settings:
                 "path" if endpoint_url is not None else "auto",
                 choices=_ADDRESSING_STYLES,
             ),
+            ca_bundle=reader.string("ca_bundle", None),
             max_concurrency=reader.integer(
                 "max_concurrency", DEFAULT_MAX_CONCURRENCY, minimum=1, maximum=_MAX_CONCURRENCY
             ),

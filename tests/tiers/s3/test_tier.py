@@ -18,12 +18,14 @@ from pathlib import Path
 import anyio.to_thread
 import pytest
 import torch
+import trustme
 from helpers import damaged, keys, store_all, tiering_config
 from s3_servers import (
     ACCESS_KEY,
     SECRET_KEY,
     ChaosProxy,
     S3Server,
+    TlsProxy,
     free_port,
     fresh_bucket,
     put_object,
@@ -347,6 +349,29 @@ async def test_a_missing_bucket_fails_start_clearly_and_releases_the_region(engi
         async with KVTier(config, [kv_tensor()]):
             pass  # pragma: no cover - never reached
     # The engine_id fixture checks that the region's file is gone.
+
+
+async def test_an_https_endpoint_of_a_private_authority_is_trusted_through_ca_bundle(
+    engine_id, s3, bucket, tmp_path
+):
+    ca = trustme.CA()
+    bundle = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+    kv_cache = kv_tensor()
+    async with TlsProxy(s3.port, ca) as proxy:
+        # The system's authorities do not know this one: the tier cannot start.
+        untrusted = s3_config(engine_id, proxy.endpoint, bucket, retry_attempts=0)
+        with pytest.raises(S3TierError, match=f"cannot reach bucket '{bucket}'"):
+            async with KVTier(untrusted, [kv_cache]):
+                pass  # pragma: no cover - never reached
+        trusted = s3_config(engine_id, proxy.endpoint, bucket, ca_bundle=str(bundle))
+        async with KVTier(trusted, [kv_cache]) as kv:
+            ks = keys("private-ca", 2)
+            await store_all(kv, ks)
+            await kv.reset()
+            assert await kv.lookup(ks, "reader", timeout=30) == 2
+            assert await kv.load(ks, [40, 41], "reader") == 2
+            assert torch.equal(kv_cache[40:42], kv_cache[0:2])
 
 
 async def test_an_unreachable_endpoint_fails_start_in_bounded_time(engine_id):
