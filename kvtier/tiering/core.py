@@ -374,8 +374,8 @@ class TieringCore:
     # ------------------------------------------------------ reset and clear
 
     async def reset(self, *, hold_busy_slots: bool) -> None:
-        """Wait for the jobs in flight, then empty the primary tier (see the manager's
-        ``reset_cache``)."""
+        """Wait for the jobs in flight, then empty the primary tier and start every
+        tier's back-pressure afresh (see the manager's ``reset_cache``)."""
         with self.lock:
             self.promotions.drop_all()
             for state in self.tiers:
@@ -386,6 +386,9 @@ class TieringCore:
             if readable:
                 self.primary_removed(readable)
             self.ledger.reset(hold_host_copies=hold_busy_slots)
+            for state in self.tiers:
+                if state.backpressure is not None:
+                    state.backpressure.reset()
             for req_id in self.requests.reset():
                 self._tiers_hear_finished(req_id)
 

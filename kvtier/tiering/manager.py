@@ -259,7 +259,9 @@ class TieringOffloadingManager(AsyncResource):
 
     def reset_cache(self, *, hold_busy_slots: bool = False) -> None:
         """Wait for the jobs in flight (none is aborted), then clear the primary tier;
-        secondary tiers keep their data. Blocks: an async host awaits :meth:`areset_cache`.
+        secondary tiers keep their data, and their back-pressure starts afresh (a tier
+        pressured before the reset gets its next cascade). Blocks: an async host awaits
+        :meth:`areset_cache`.
 
         Slots that late I/O of a timed-out job may touch stay out of use until it stops;
         with ``hold_busy_slots``, so do those host copies were writing or reading, until
