@@ -4,6 +4,7 @@ under vLLM's real Scheduler and OffloadingConnector."""
 from __future__ import annotations
 
 import random
+import time
 
 # vLLM's GPU block in these tests (the engine fixture's).
 TOKENS_PER_BLOCK = 16
@@ -44,3 +45,53 @@ def test_a_cache_reset_lets_a_pressured_tiers_next_cascade_through(make_engine, 
     engine.drain_tiers()
     after = written()
     assert after["bytes_written"] > before["bytes_written"]
+
+
+def chunk_counts(engine, prefix: str) -> dict[str, tuple[float, float]]:
+    """(chunk_queries, chunk_hits) by tier label, summed over the stats payloads the
+    scheduler sent with its outputs (what vLLM's Prometheus logger adds up)."""
+    sums: dict[str, list[float]] = {}
+    for payload in engine.connector_stats:
+        values = payload["data"]
+        for index, name in enumerate((f"{prefix}chunk_queries", f"{prefix}chunk_hits")):
+            for (label,), value in values.get(name, {}).items():
+                sums.setdefault(label, [0.0, 0.0])[index] += value
+    return {label: (queries, hits) for label, (queries, hits) in sums.items()}
+
+
+def test_chunk_queries_and_hits_count_what_vllms_own_tiering_counts(
+    make_engine, vllm_tiering, tmp_path
+):
+    # The same requests through kvtier and through vLLM's own TieringOffloadingSpec
+    # (its scheduler side): a prompt is stored, then found on disk alone by a request
+    # that waits several steps for its promotion, its keys looked up again each step.
+    # vLLM counts each (request, tier, key) once, until the request is scheduled.
+    def run(extra, root, prefix, **kwargs):
+        engine = make_engine({**fs_config(root), **extra}, **kwargs)
+        kvtier_manager = getattr(engine.manager, "kvtier", None)
+        shared = prompt(7, 4)
+        engine.add("first", [*shared, 5])
+        engine.run()
+        engine.drain_tiers()
+        engine.scheduler.reset_prefix_cache(reset_connector=True)  # on disk only now
+        engine.wipe_gpu()
+        engine.add("second", [*shared, 6])
+        waited = 0
+        while "second" not in engine.cached_at_start:
+            engine.step()
+            waited += 1
+            if kvtier_manager is not None:
+                kvtier_manager.host.wait_for_completions_blocking(0.02)
+            else:
+                time.sleep(0.01)  # vLLM's tier threads need the time
+        engine.run()
+        engine.drain_tiers()
+        assert engine.cached_at_start["second"] == 4 * TOKENS_PER_BLOCK
+        return chunk_counts(engine, prefix), waited
+
+    kvtier_counts, waited = run({}, tmp_path / "kvtier", "kvtier_tiering_")
+    vllm_counts, _ = run(vllm_tiering, tmp_path / "vllm", "vllm:kv_offload_tiering_", copies=False)
+    assert waited >= 2
+    assert kvtier_counts == vllm_counts
+    # The second request's four keys: a primary miss each, then a disk hit each.
+    assert kvtier_counts["1:fs"][1] == 4
