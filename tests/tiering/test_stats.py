@@ -4,11 +4,12 @@ bounded reservoir, and promotion job times."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import keys, scripted, tiering_config
 from scripted_tier import ScriptedTier
 from tiering_helpers import HIT, MISS, WRITER, fill, opened
 
-from kvtier import LookupResult, OffloadingSpecFactory, ReqContext, ScheduleEndContext
+from kvtier import KVTier, LookupResult, OffloadingSpecFactory, ReqContext, ScheduleEndContext
 from kvtier.metrics import Names
 from kvtier.tiering.loop import HostLoop
 from kvtier.tiering.reporting import Counts, Reservoir
@@ -186,3 +187,27 @@ async def test_a_waiting_request_counts_its_keys_once_across_a_cache_reset(engin
         assert counted(manager) == {"0:primary": (1, 0), "1:example": (1, 0)}
         manager.on_request_finished(req)
         assert manager.diagnostics.tracked_requests == 0
+
+
+@pytest.mark.anyio
+async def test_the_facade_counts_a_requests_chunks_once_however_long_it_waits(engine_id):
+    # The facade steps the manager itself while a lookup waits for the tier's answers
+    # and the promotions; a host request counts as a scheduler's does.
+    kv_cache = torch.zeros((16, 4096), dtype=torch.uint8)
+    config = tiering_config(engine_id, [scripted("facade-counts")], chunks=8)
+    async with KVTier(config, [kv_cache]) as kv:
+        ks = keys("facade-counts", 4)
+        assert await kv.store(ks, [0, 1, 2, 3], "writer") == 4
+        await kv.drain()
+        await kv.reset()  # the chunks are in the tier alone now
+        assert await kv.lookup(ks, "reader", timeout=30) == 4
+        assert await kv.load(ks, [4, 5, 6, 7], "reader") == 4
+        assert await kv.lookup(ks, "reader") == 4  # asked again: counted once
+        assert counted(kv.manager) == {"0:primary": (4, 0), "1:ScriptedTier": (4, 4)}
+        kv.finish("reader")
+        assert await kv.lookup(ks, "another") == 4
+        assert counted(kv.manager) == {"0:primary": (8, 4), "1:ScriptedTier": (4, 4)}
+        kv.finish("another")
+        kv.finish("writer")
+        await kv.drain()
+        assert kv.manager.diagnostics.tracked_requests == 0
