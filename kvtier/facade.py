@@ -403,7 +403,8 @@ class KVTier(AsyncResource):
     # ------------------------------------------------------------- lifecycle
 
     async def reset(self) -> None:
-        """Empty the primary tier (secondary tiers keep their data).
+        """Empty the primary tier (secondary tiers keep their data; their back-pressure
+        starts afresh).
 
         Waits for the copies and jobs in flight; lookups waiting for tier work answer
         0, the pins of earlier lookups are dropped, and calls made meanwhile wait.

@@ -165,11 +165,19 @@ def tiering_metric_definitions() -> dict[str, MetricDefinition]:
         Names.CASCADE_JOB_FAILURES: CounterDef(
             "Cascade jobs (primary -> secondary) that failed, by tier.", _TIER
         ),
-        Names.CHUNK_QUERIES: CounterDef("Chunk lookups a tier answered, by tier.", _TIER),
-        Names.CHUNK_HITS: CounterDef("Chunk lookups a tier answered with a hit, by tier.", _TIER),
+        Names.CHUNK_QUERIES: CounterDef(
+            "Chunks a tier answered for a request, by tier: each (request, tier, chunk) "
+            "once, at the first hit or miss the request saw there, and none after the "
+            "request was scheduled; a chunk still on its way into the primary tier is "
+            "no answer yet.",
+            _TIER,
+        ),
+        Names.CHUNK_HITS: CounterDef(
+            "The chunk_queries of a tier whose answer was a hit, by tier.", _TIER
+        ),
         Names.LOOKUP_FAILURES: CounterDef(
-            "Chunk lookups whose batch failed or timed out, answered as misses, by tier "
-            "(counted in chunk_queries too).",
+            "Chunks of a tier's lookup batches that failed or timed out, answered as "
+            "misses, by tier (a request that sees such a miss counts it in chunk_queries).",
             _TIER,
         ),
         Names.PROMOTION_ALLOCATION_FAILURES: CounterDef(

@@ -121,8 +121,9 @@ def test_an_idle_managers_counts_are_current_at_every_scrape(engine_id):
         assert registry.get_sample_value("kvtier_cpu_cache_usage_perc") == 0.25
         manager.prepare_store(stored, req)
         manager.complete_store(stored, req)
+        reader = ReqContext("reader")  # a request that stored was scheduled: it counts none
         for key in [*stored, *keys("absent", 2)]:
-            manager.lookup(key, req)
+            manager.lookup(key, reader)
         # No on_schedule_end: the engine went idle right after these calls. A scrape
         # from a thread of its own (as an HTTP exporter's) still sees them.
         scraped: list[bytes] = []

@@ -486,7 +486,8 @@ class PageStore(BlockingResource):
         return loads, stores
 
     def reset(self) -> None:
-        """Empty the primary tier; the secondary tiers keep their chunks.
+        """Empty the primary tier; the secondary tiers keep their chunks, and their
+        back-pressure starts afresh.
 
         Waits for the calls in flight (each ends by its deadline) and for the tier work
         in flight; calls made meanwhile wait.

@@ -175,6 +175,17 @@ class Backpressure:
         self.chunks_dropped += chunks
         return False
 
+    def reset(self) -> None:
+        """Forget every sample and judgement, as a new tier would start (the cache was
+        reset: what the tier met before says nothing of the traffic after). Drops not
+        reported yet stay counted."""
+        self.ema = 0.0
+        self.completions = 0
+        self.pressured = False
+        self._below_low_since = None
+        self._last_sample = None
+        self._drop_debt = 0.0
+
     def take_dropped(self) -> tuple[int, int]:
         """Stores and chunks dropped since the last call."""
         dropped = (self.stores_dropped, self.chunks_dropped)

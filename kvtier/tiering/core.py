@@ -42,7 +42,7 @@ from kvtier.tiering.ledger import Holder, HolderKind, SlotLedger
 from kvtier.tiering.loop import Lifecycle, TierLoop
 from kvtier.tiering.promotions import PromotionCosts, Promotions
 from kvtier.tiering.reporting import Reporting
-from kvtier.tiering.requests import RequestTable
+from kvtier.tiering.requests import PRIMARY, RequestTable
 from kvtier.tiering.runner import TierRunner, start_in_order
 from kvtier.tiering.state import TierOptions, TierState
 from kvtier.tiers.base import SecondaryTier, TransferJob
@@ -155,20 +155,24 @@ class TieringCore:
         gate = self.gate
         if gate is not None:
             gate.count(key)
-        counters = self.report.primary_counts.counters
-        counters[_QUERIES] += 1
         refs = self.primary.ref_count(key)
         requests = self.requests
-        if refs is not None:
-            counters[_HITS] += 1
-            if refs >= 0:
-                return _HIT
-            # Being written: by a store, or promoted (for this request or another).
-            self.promotions.allow_wait(key, requests.open(req_id))
+        request = requests.open(req_id)
+        if refs is not None and refs < 0:
+            # Being written: by a store, or promoted (for this request or another). Not
+            # an answer yet, so not counted: the lookup that finds it readable is.
+            self.promotions.allow_wait(key, request)
             return _MISS if requests.expired(req_id) else _HIT_PENDING
+        if request.counts_answer(PRIMARY, key):
+            counters = self.report.primary_counts.counters
+            counters[_QUERIES] += 1
+            if refs is not None:
+                counters[_HITS] += 1
+        if refs is not None:
+            return _HIT
         if not self.tiers or requests.expired(req_id):
             return _MISS
-        result, evicted = self.promotions.resolve(key, requests.open(req_id), protected, load_tiers)
+        result, evicted = self.promotions.resolve(key, request, protected, load_tiers)
         if evicted:
             self.evicted(evicted)
         return result
@@ -374,8 +378,8 @@ class TieringCore:
     # ------------------------------------------------------ reset and clear
 
     async def reset(self, *, hold_busy_slots: bool) -> None:
-        """Wait for the jobs in flight, then empty the primary tier (see the manager's
-        ``reset_cache``)."""
+        """Wait for the jobs in flight, then empty the primary tier and start every
+        tier's back-pressure afresh (see the manager's ``reset_cache``)."""
         with self.lock:
             self.promotions.drop_all()
             for state in self.tiers:
@@ -386,6 +390,9 @@ class TieringCore:
             if readable:
                 self.primary_removed(readable)
             self.ledger.reset(hold_host_copies=hold_busy_slots)
+            for state in self.tiers:
+                if state.backpressure is not None:
+                    state.backpressure.reset()
             for req_id in self.requests.reset():
                 self._tiers_hear_finished(req_id)
 

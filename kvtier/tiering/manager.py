@@ -176,11 +176,15 @@ class TieringOffloadingManager(AsyncResource):
     def prepare_store(
         self, keys: Sequence[OffloadKey], req: ReqContext
     ) -> PrepareStoreOutput | None:
-        """Allocate primary slots for the keys not stored yet; None if there is no room."""
+        """Allocate primary slots for the keys not stored yet; None if there is no room.
+
+        A request that stores was scheduled: its lookups count no more in the tiers'
+        ``chunk_queries`` and ``chunk_hits``."""
         core = self._core
         with core.lock:
             if self._pending:
                 core.drain()
+            core.requests.scheduled(req.req_id)
             output = self.primary.prepare_store(core.admitted(keys))
             if output is None:
                 return None
@@ -218,9 +222,14 @@ class TieringOffloadingManager(AsyncResource):
 
     def on_schedule_end(self, ctx: ScheduleEndContext | None = None) -> None:
         """End of a step: drain, send the step's lookups and promotions; flush metrics
-        if the last flush is a while ago (a scrape of the registry flushes first)."""
+        if the last flush is a while ago (a scrape of the registry flushes first). The
+        requests ``ctx`` names as scheduled for the first time count no more lookups
+        in the tiers' ``chunk_queries`` and ``chunk_hits``."""
         core = self._core
         with core.lock:
+            if ctx is not None:
+                for req_id in ctx.new_req_ids:
+                    core.requests.scheduled(req_id)
             if self._pending:
                 core.drain()
             core.launch_step()
@@ -259,7 +268,9 @@ class TieringOffloadingManager(AsyncResource):
 
     def reset_cache(self, *, hold_busy_slots: bool = False) -> None:
         """Wait for the jobs in flight (none is aborted), then clear the primary tier;
-        secondary tiers keep their data. Blocks: an async host awaits :meth:`areset_cache`.
+        secondary tiers keep their data, and their back-pressure starts afresh (a tier
+        pressured before the reset gets its next cascade). Blocks: an async host awaits
+        :meth:`areset_cache`.
 
         Slots that late I/O of a timed-out job may touch stay out of use until it stops;
         with ``hold_busy_slots``, so do those host copies were writing or reading, until

@@ -16,7 +16,11 @@ the lookup answers live in it, and so does its deadline:
 - its **pending** work (stores and promotions in flight), and whether it has
   **finished**: tiers hear that a request finished only once none of its work is in
   flight, since a tier that forgets a request on "finished" must not see its work
-  afterwards.
+  afterwards;
+- the keys whose lookup each tier **counted** for it: a tier's ``chunk_queries`` and
+  ``chunk_hits`` count each key once per request, and no more once the request was
+  **scheduled** (vLLM's meaning: a scheduler asks again every step a request waits,
+  and a running request's lookups after a preemption are not a cache's hit ratio).
 
 Ending a request is one call, :meth:`RequestTable.finish`, plus one release of the
 slots it holds in the slot ledger. Everything here runs under the manager's lock.
@@ -30,7 +34,10 @@ from dataclasses import dataclass, field
 
 from kvtier.keys import OffloadKey
 
-__all__ = ["Request", "RequestTable"]
+__all__ = ["PRIMARY", "Request", "RequestTable"]
+
+#: The primary tier's index in :attr:`Request.counted` (secondary tiers count from 0).
+PRIMARY = -1
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +63,24 @@ class Request:
     pending: int = 0
     #: The host said it finished; the record goes once its pending work has ended.
     finished: bool = False
+    #: The keys each tier counted a lookup of for it, by tier index (:data:`PRIMARY`
+    #: for the primary tier); None once it was scheduled: it counts nothing more.
+    counted: dict[int, set[OffloadKey]] | None = field(default_factory=dict)
+
+    def counts_answer(self, tier: int, key: OffloadKey) -> bool:
+        """Whether ``tier``'s answer for ``key`` is counted for the request: its first
+        answer for the key, while the request waits to be scheduled. Marks it counted."""
+        counted = self.counted
+        if counted is None:
+            return False
+        keys = counted.get(tier)
+        if keys is None:
+            counted[tier] = {key}
+            return True
+        if key in keys:
+            return False
+        keys.add(key)
+        return True
 
     def forget_waits(self) -> None:
         """Drop what ties the request to the promotion queues and its deadline."""
@@ -185,6 +210,12 @@ class RequestTable:
         request = self._requests.get(req_id)
         return request is not None and not request.finished
 
+    def scheduled(self, req_id: str) -> None:
+        """The request was scheduled: its lookups count no more (what it counted goes)."""
+        request = self._requests.get(req_id)
+        if request is not None:
+            request.counted = None
+
     def finish(self, req_id: str) -> bool:
         """The request finished: its waits and answers go; whether its tiers may hear
         of it now (else once its pending work ends)."""
@@ -198,10 +229,15 @@ class RequestTable:
         return True
 
     def reset(self) -> list[str]:
-        """Forget every request (the primary tier is emptied); the ids of those whose
-        finish was waiting for their work, which their tiers may hear of now."""
+        """Forget every request (the primary tier is emptied) but what the unfinished
+        ones counted, since they go on after the reset; the ids of those whose finish
+        was waiting for their work, which their tiers may hear of now."""
         deferred = [req.req_id for req in self._requests.values() if req.finished]
-        self._requests.clear()
+        self._requests = {
+            req_id: Request(req_id, counted=req.counted)
+            for req_id, req in self._requests.items()
+            if not req.finished
+        }
         return deferred
 
     def clear_answers(self) -> None:

@@ -98,6 +98,7 @@ class TierState:
         if answers is not None:
             known = answers.get(key)
             if known is not None:
+                self._count(request, key, known)
                 return known
         waiting = self._asking.get(key)
         if waiting is not None:
@@ -106,16 +107,22 @@ class TierState:
         started = time.perf_counter()
         quick = self.tier.contains(key)
         if quick is not None:
-            counts = self.counts
-            counts.samples[Names.LOOKUP_SYNC_DELAY].append(time.perf_counter() - started)
-            counts.counters[Names.CHUNK_QUERIES] += 1
-            counts.counters[Names.CHUNK_HITS] += quick
+            self.counts.samples[Names.LOOKUP_SYNC_DELAY].append(time.perf_counter() - started)
+            self._count(request, key, quick)
             self._remember(request, key, quick)
             return quick
         self._asking[key] = {request.req_id}
         self._asked_at[key] = started
         self._queued.append(key)
         return None
+
+    def _count(self, request: Request, key: OffloadKey, present: bool) -> None:
+        """The request sees the tier's answer for ``key``: counted the first time only
+        (:meth:`~kvtier.tiering.requests.Request.counts_answer`)."""
+        if request.counts_answer(self.index, key):
+            counters = self.counts.counters
+            counters[Names.CHUNK_QUERIES] += 1
+            counters[Names.CHUNK_HITS] += present
 
     def _remember(self, request: Request, key: OffloadKey, present: bool) -> None:
         answers = request.answers.get(self.index)
@@ -146,8 +153,6 @@ class TierState:
             asked = self._asked_at.pop(key, None)
             if asked is not None:
                 delays.append(now - asked)
-            counts.counters[Names.CHUNK_QUERIES] += 1
-            counts.counters[Names.CHUNK_HITS] += present
             for req_id in waiting:
                 request = requests.get(req_id)
                 if request is not None and not request.finished:

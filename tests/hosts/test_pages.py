@@ -64,6 +64,25 @@ def test_pages_round_trip_through_the_fs_tier(engine_id, tmp_path):
         }
 
 
+def test_a_prefix_found_and_loaded_counts_each_page_once_per_tier(engine_id, tmp_path):
+    # contains_prefix and the load that follows are one request: the load's lookups of
+    # the same pages count nothing more; the next contains_prefix is a new request.
+    names, keys = chain(6)
+    with PageStore(config(engine_id, tiers=fs(tmp_path))) as store:
+        source = Pages(6)
+        source.fill(names)
+        assert store.store(keys, source.segments(), 5.0) == [True] * 6
+        store.reset()
+        assert store.contains_prefix(keys, 5.0) == 6
+        assert store.load(keys, Pages(6).segments(), 5.0) == [True] * 6
+        stats = store.manager.diagnostics.tier_stats()
+        assert (stats["0:primary"]["queries"], stats["0:primary"]["hits"]) == (6, 0)
+        assert (stats["1:fs"]["queries"], stats["1:fs"]["hits"]) == (6, 6)
+        assert store.contains_prefix(keys, 5.0) == 6
+        stats = store.manager.diagnostics.tier_stats()
+        assert (stats["0:primary"]["queries"], stats["0:primary"]["hits"]) == (12, 6)
+
+
 def test_a_prefix_ends_at_the_first_page_no_tier_holds(engine_id):
     names, keys = chain(6)
     with PageStore(config(engine_id)) as store:

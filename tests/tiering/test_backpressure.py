@@ -160,3 +160,84 @@ async def test_a_slow_tier_gets_its_cascades_dropped_and_counted_while_loads_sti
     finally:
         await manager.aclose()
         await spec.aclose()
+
+
+def test_a_reset_detector_judges_afresh():
+    bp, _ = detector(policy="drop", warmup=2, alpha=1.0)
+    slow(bp, 3)
+    assert not bp.admit(1)
+    bp.reset()
+    assert (bp.ema, bp.completions, bp.pressured) == (0.0, 0, False)
+    assert bp.admit(1)
+    slow(bp, 1)  # the warm-up counts from the reset again
+    assert bp.admit(1)
+    slow(bp, 1)
+    assert not bp.admit(1)
+    # Drops counted before and after the reset are all reported.
+    assert bp.take_dropped() == (2, 2)
+
+
+# A store takes far longer than a microsecond per MiB: one cascade pressures the tier.
+_PRESSURED = {"policy": "drop", "warmup": 1, "high_water": 1e-6, "low_water": 1e-7}
+
+
+def _cascades_reaching(tier: ScriptedTier) -> int:
+    return len(tier.store_jobs)
+
+
+@pytest.mark.anyio
+async def test_reset_cache_lets_a_pressured_tiers_next_cascade_through(engine_id):
+    spec = OffloadingSpecFactory.create_spec(
+        tiering_config(engine_id, [scripted("reset-bp", backpressure=_PRESSURED)], chunks=16)
+    )
+    manager = spec.get_manager(loop=HostLoop())
+    await manager.start()
+    tier = ScriptedTier.instances["reset-bp"]
+    writer = ReqContext("w")
+
+    async def store(name: str) -> None:
+        ks = keys(name, 1)
+        assert manager.prepare_store(ks, writer) is not None
+        manager.complete_store(ks, writer)
+        await manager.drain()
+
+    try:
+        await store("before-1")  # sets the average far above the high mark
+        await store("before-2")
+        assert _cascades_reaching(tier) == 1  # the second was dropped
+        await manager.areset_cache()
+        # The average decays over seconds, not here: only the reset lets this through.
+        await store("after")
+        assert _cascades_reaching(tier) == 2
+        await store("after-2")  # judged afresh: pressured again by the one it measured
+        assert _cascades_reaching(tier) == 2
+    finally:
+        await manager.aclose()
+        await spec.aclose()
+
+
+def test_a_sync_hosts_reset_cache_resets_back_pressure_too(engine_id):
+    spec = OffloadingSpecFactory.create_spec(
+        tiering_config(engine_id, [scripted("reset-bp-sync", backpressure=_PRESSURED)], chunks=16)
+    )
+    manager = spec.get_manager()
+    tier = ScriptedTier.instances["reset-bp-sync"]
+    writer = ReqContext("w")
+
+    def store(name: str) -> None:
+        ks = keys(name, 1)
+        assert manager.prepare_store(ks, writer) is not None
+        manager.complete_store(ks, writer)
+        while manager.has_pending_work():
+            manager.on_schedule_end()
+            manager.host.wait_for_completions_blocking(0.1)
+
+    try:
+        store("before-1")
+        store("before-2")
+        assert _cascades_reaching(tier) == 1
+        manager.reset_cache()
+        store("after")
+        assert _cascades_reaching(tier) == 2
+    finally:
+        spec.shutdown()
