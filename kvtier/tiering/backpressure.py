@@ -185,6 +185,8 @@ class Backpressure:
         self._below_low_since = None
         self._last_sample = None
         self._drop_debt = 0.0
+        self.failures_in_a_row = 0
+        self._failure_tripped = False
 
     def take_dropped(self) -> tuple[int, int]:
         """Stores and chunks dropped since the last call."""

@@ -177,6 +177,17 @@ def test_a_reset_detector_judges_afresh():
     assert bp.take_dropped() == (2, 2)
 
 
+def test_a_reset_forgets_failures_in_a_row():
+    bp, _ = detector(warmup=10, failure_threshold=2, policy="drop")
+    bp.record(0.0, MIB, failed=True)
+    bp.record(0.0, MIB, failed=True)
+    assert not bp.admit(1)
+    bp.reset()
+    assert bp.admit(1)
+    bp.record(0.0, MIB, failed=True)  # one failure after the reset: not yet a failing tier
+    assert bp.admit(1) and bp.failures_in_a_row == 1
+
+
 # A store takes far longer than a microsecond per MiB: one cascade pressures the tier.
 _PRESSURED = {"policy": "drop", "warmup": 1, "high_water": 1e-6, "low_water": 1e-7}
 
