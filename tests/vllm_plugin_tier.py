@@ -56,8 +56,12 @@ class ThreadedDictTier(SecondaryTierManager):
         fail_loads: bool = False,
         corrupt_loads: bool = False,
         store: str | None = None,
+        locality: str | None = None,
+        enable_kv_events: bool = False,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality_written = locality
+        self.enable_kv_events = enable_kv_events
         self.offloading_spec = offloading_spec
         self.label = label
         self.stall_loads = stall_loads

@@ -136,8 +136,23 @@ def adapter_for(plugin_class: type[vllm_tiering.SecondaryTierManager]) -> type[V
         "plugin_class": plugin_class,
         "medium": medium or Medium.STORAGE,
         "hit_source": _SOURCE.get(plugin_class.cache_hit_source, HitSource.EXTERNAL),
+        "shared_keys": _shared_keys(plugin_class),
     }
     return type(f"VllmPluginTier[{plugin_class.__qualname__}]", (VllmPluginTier,), namespace)
+
+
+#: Keys kvtier reads for every tier that vLLM also hands its tiers' constructors.
+_VLLM_SHARED_KEYS = ("locality", "enable_kv_events")
+
+
+def _shared_keys(plugin_class: type[vllm_tiering.SecondaryTierManager]) -> tuple[str, ...]:
+    """Which of kvtier's keys the plugin also receives, as vLLM passes them: those its
+    ``__init__`` names, or all of them where it takes any keyword."""
+    parameters = inspect.signature(plugin_class.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return _VLLM_SHARED_KEYS
+    names = {p.name for p in parameters}
+    return tuple(key for key in _VLLM_SHARED_KEYS if key in names)
 
 
 @dataclass

@@ -134,7 +134,7 @@ class TierConfig:
         """
         path = tier_path(index)
         tier_class = SecondaryTierFactory.get_tier_class(raw, path)
-        params = SecondaryTierFactory.tier_params(raw)
+        params = SecondaryTierFactory.tier_params(raw, tier_class)
         settings = SecondaryTierFactory.parse_params(tier_class, params, path)
         reader = ConfigReader(raw, path)
         locality: Locality = reader.choice("locality", Locality, tier_class.locality)
@@ -209,7 +209,7 @@ class MetricSettings:
         tiers = []
         for i, raw in enumerate(reader.mapping_list("secondary_tiers", [])):
             tier_class = SecondaryTierFactory.get_tier_class(raw, tier_path(i))
-            params = SecondaryTierFactory.tier_params(raw)
+            params = SecondaryTierFactory.tier_params(raw, tier_class)
             tiers.append(
                 (tier_class, SecondaryTierFactory.parse_params(tier_class, params, tier_path(i)))
             )

@@ -255,6 +255,9 @@ class SecondaryTier(AsyncResource):
     #: none: a host that acknowledges a chunk only once it has a lasting copy (SGLang's
     #: ``buffer_only`` host memory) does not count such a tier's store.
     keeps_copies: ClassVar[bool] = True
+    #: Keys the framework reads (``locality``, ``enable_kv_events``) that this tier
+    #: also receives among its own parameters, as written, where they are given.
+    shared_keys: ClassVar[tuple[str, ...]] = ()
     #: The parsed form of this tier's parameters; None for a tier that reads its
     #: keyword arguments itself.
     settings_class: ClassVar[type[TierSettings] | None] = None

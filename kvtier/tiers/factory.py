@@ -124,9 +124,12 @@ class SecondaryTierFactory:
             raise ConfigError(f"{config_path}.{exc.path}", exc.problem) from None
 
     @classmethod
-    def tier_params(cls, tier_config: Mapping[str, Any]) -> dict[str, Any]:
-        """The keys of a tier configuration that are the tier's own parameters."""
-        framework = framework_keys()
+    def tier_params(
+        cls, tier_config: Mapping[str, Any], tier_class: type[SecondaryTier] | None = None
+    ) -> dict[str, Any]:
+        """The keys of a tier configuration that are the tier's own parameters, with the
+        framework's keys ``tier_class`` shares (:attr:`SecondaryTier.shared_keys`)."""
+        framework = framework_keys().difference(tier_class.shared_keys if tier_class else ())
         return {k: v for k, v in tier_config.items() if k not in framework}
 
     @classmethod
@@ -140,7 +143,7 @@ class SecondaryTierFactory:
                 invalid (the message names ``<config_path>.<parameter>``).
         """
         tier_class = cls.get_tier_class(tier_config, config_path)
-        cls.parse_params(tier_class, cls.tier_params(tier_config), config_path)
+        cls.parse_params(tier_class, cls.tier_params(tier_config, tier_class), config_path)
         return tier_class
 
     @classmethod
@@ -169,7 +172,7 @@ class SecondaryTierFactory:
                 engine (``ctx.chunk_bytes``, ``ctx.job_timeout_s``).
         """
         tier_class = cls.get_tier_class(tier_config, ctx.config_path)
-        params = cls.tier_params(tier_config)
+        params = cls.tier_params(tier_config, tier_class)
         _check_signature(tier_class, params, ctx.config_path)
         return cls.build_tier(tier_class, ctx, tier_class.settings_for(ctx, params), params)
 

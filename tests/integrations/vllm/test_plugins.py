@@ -64,7 +64,9 @@ def store_then_forget(engine, shared):
 
 def test_vllms_factory_builds_the_spec_with_a_vllm_plugin_tier(engine_id):
     # Refused at create_spec before ("is not a subclass of kvtier.SecondaryTier").
-    extra = {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [by_module_path(label="x")]}
+    # vLLM hands a tier its locality and enable_kv_events as written: so does kvtier.
+    tier = by_module_path(label="x", locality="REMOTE", enable_kv_events=True)
+    extra = {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]}
     # vLLM's metrics logger declares every metric before any stats arrive: the
     # plugin's own are among the spec's.
     declared = KVTierOffloadingSpec.build_metric_definitions(extra)
@@ -84,6 +86,7 @@ def test_vllms_factory_builds_the_spec_with_a_vllm_plugin_tier(engine_id):
         assert plugin.offloading_spec is spec
         assert plugin.tier_type == "ThreadedDictTier"
         assert plugin.label == "x"
+        assert (plugin.locality_written, plugin.enable_kv_events) == ("REMOTE", True)
         assert plugin.block_size_bytes == spec.kvtier_spec.chunk_bytes
     finally:
         manager.shutdown()
