@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 
 from kvtier.errors import StateError
 from kvtier.keys import OffloadKey, format_key
@@ -130,6 +130,9 @@ class PrimaryTier:
     def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
         """Pin readable ``keys`` against eviction; the spec lists their slots.
 
+        A pin ranks nothing for the eviction policy: a request's load is a use of its
+        prefix through :meth:`touch`, a cascade's read is none.
+
         Raises:
             StateError: a key is not stored or not yet readable (nothing is pinned).
         """
@@ -187,23 +190,35 @@ class PrimaryTier:
             pinned[key] = record.slot
         return pinned
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
-        self.policy.touch(keys)
+    def touch(self, keys: Sequence[OffloadKey], owner: Hashable | None = None) -> None:
+        """A use of ``keys`` (head first): by ``owner`` (:meth:`CachePolicy.follow`) if
+        one is named, else of their own (:meth:`CachePolicy.touch`)."""
+        if owner is None:
+            self.policy.touch(keys)
+        else:
+            self.policy.follow([key for key in keys if key in self._records], owner)
 
     # ----------------------------------------------------------------- stores
 
     def prepare_store(
-        self, keys: Sequence[OffloadKey], protected: Collection[OffloadKey] | None = None
+        self,
+        keys: Sequence[OffloadKey],
+        protected: Collection[OffloadKey] | None = None,
+        owner: Hashable | None = None,
     ) -> PrepareStoreOutput | None:
         """Allocate slots for the keys not stored yet, evicting others if needed.
 
         Keys in ``protected`` (by default the keys of this call; a caller passing more
         includes them) are never evicted for it. Returns None, changing nothing, when
-        not enough slots can be freed.
+        not enough slots can be freed. ``keys`` are a use of ``owner``'s prefix for
+        the eviction policy (:meth:`CachePolicy.follow`); without an owner, the call's
+        keys are a prefix of their own.
         """
         records = self._records
-        to_store = [key for key in dict.fromkeys(keys) if key not in records]
+        ordered = list(dict.fromkeys(keys))
+        to_store = [key for key in ordered if key not in records]
         if not to_store:
+            self.policy.follow(ordered, object() if owner is None else owner)
             return PrepareStoreOutput(keys_to_store=[], store_spec=_EMPTY_SPEC, evicted_keys=[])
         evicted: list[OffloadKey] = []
         shortfall = len(to_store) - len(self._free)
@@ -234,6 +249,7 @@ class PrimaryTier:
             records[key] = record
             policy.insert(key, record)
             slots.append(record.slot)
+        policy.follow(ordered, object() if owner is None else owner)
         self.num_writing += len(to_store)
         return PrepareStoreOutput(
             keys_to_store=to_store, store_spec=LoadStoreSpec(chunk_ids=slots), evicted_keys=evicted

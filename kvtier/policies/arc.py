@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Hashable, Iterator, Sequence
 from typing import Any
 
 from kvtier.keys import OffloadKey
-from kvtier.policies.base import WRITING, TrackedPolicy
+from kvtier.policies.base import WRITING, PrefixOrder, TrackedPolicy
 
 __all__ = ["ARCCachePolicy"]
 
@@ -22,8 +22,10 @@ class ARCCachePolicy(TrackedPolicy):
     - ``target_t1`` is the share of the capacity T1 should have. A key re-used while
       it is a B1 ghost means T1 was too small, so the target grows; a B2 ghost means
       T2 was too small, so it shrinks. Each ghost teaches once and is then dropped.
-    - Eviction takes T1's least recent key while T1 holds at least its target, else
-      T2's, falling back to the other list when one has no evictable key.
+    - Eviction takes from T1 while T1 holds at least its target, else from T2, falling
+      back to the other list when one has no evictable key. Each list ranks its keys
+      by prefix (:class:`~kvtier.policies.base.PrefixOrder`), as the LRU policy does:
+      its least recent prefix goes first, tail first.
 
     Ghost lists are each bounded by the capacity.
     """
@@ -31,8 +33,8 @@ class ARCCachePolicy(TrackedPolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.target_t1 = 0.0
-        self._t1: OrderedDict[OffloadKey, Any] = OrderedDict()
-        self._t2: OrderedDict[OffloadKey, Any] = OrderedDict()
+        self._t1 = PrefixOrder()
+        self._t2 = PrefixOrder()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
 
@@ -42,27 +44,29 @@ class ARCCachePolicy(TrackedPolicy):
 
     def insert(self, key: OffloadKey, record: Any) -> None:
         self._learn_from_ghost(key)
-        self._t1[key] = record
-        self._t1.move_to_end(key)
+        self._t1.insert(key, record)
         self._note_inserted(key)
 
     def remove(self, key: OffloadKey) -> None:
-        if self._t1.pop(key, None) is None:
-            self._t2.pop(key, None)
+        if self._t1.pop(key) is None:
+            self._t2.pop(key)
         self._note_removed(key)
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def follow(self, keys: Sequence[OffloadKey], owner: Hashable) -> None:
         t1, t2 = self._t1, self._t2
-        for key in reversed(keys):
+        for key in keys:
             if key in t1:
                 if self._blocked.get(key) is WRITING:
-                    t1.move_to_end(key)
+                    t1.use(key, owner)
                 else:
-                    t2[key] = t1.pop(key)
+                    t2.insert(key, t1.pop(key), owner)
             elif key in t2:
-                t2.move_to_end(key)
+                t2.use(key, owner)
             else:
                 self._learn_from_ghost(key)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        self.follow(keys, object())
 
     def evict(
         self, n: int, protected: Collection[OffloadKey]
@@ -91,10 +95,10 @@ class ARCCachePolicy(TrackedPolicy):
         victims: list[tuple[OffloadKey, Any]] = []
         for key, record, from_t1 in chosen:
             if from_t1:
-                del self._t1[key]
+                self._t1.pop(key)
                 self._b1[key] = None
             else:
-                del self._t2[key]
+                self._t2.pop(key)
                 self._b2[key] = None
             victims.append((key, record))
         for ghosts in (self._b1, self._b2):
@@ -117,9 +121,9 @@ class ARCCachePolicy(TrackedPolicy):
         return len(self._t1), len(self._t2), len(self._b1), len(self._b2)
 
     def _candidates(
-        self, entries: OrderedDict[OffloadKey, Any], protected: Collection[OffloadKey]
+        self, entries: PrefixOrder, protected: Collection[OffloadKey]
     ) -> Iterator[tuple[OffloadKey, Any]]:
-        return ((k, r) for k, r in entries.items() if self._is_candidate(k, protected))
+        return ((k, r) for k, r in entries.oldest() if self._is_candidate(k, protected))
 
     def _learn_from_ghost(self, key: OffloadKey) -> None:
         if key in self._b1:

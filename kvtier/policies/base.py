@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Hashable, Iterator, Sequence
 from typing import Any
 
 from kvtier.keys import OffloadKey
 
-__all__ = ["CachePolicy", "TrackedPolicy"]
+__all__ = ["CachePolicy", "PrefixOrder", "TrackedPolicy"]
 
 
 class CachePolicy(ABC):
@@ -53,6 +54,18 @@ class CachePolicy(ABC):
         Keys the policy does not hold are ignored (or, for adaptive policies, count as
         a hit on their history).
         """
+
+    def follow(self, keys: Sequence[OffloadKey], owner: Hashable) -> None:
+        """``owner`` (a request) stored, promoted or loaded ``keys``, its prefix in
+        order (head first), all of which the policy holds.
+
+        The primary tier calls it after each store and promotion (once the keys are
+        inserted) and each load of a request; one owner's calls, taken together,
+        follow its prefix from head to tail. A policy that keeps prefixes whole ranks
+        an owner's keys as one prefix, whatever the number of calls. By default a
+        use is a :meth:`touch`.
+        """
+        self.touch(keys)
 
     @abstractmethod
     def evict(
@@ -108,3 +121,71 @@ class TrackedPolicy(CachePolicy):
 
     def _is_candidate(self, key: OffloadKey, protected: Collection[OffloadKey]) -> bool:
         return key not in self._blocked and key not in protected
+
+
+class PrefixOrder:
+    """Keys in runs, one run per owner, the least recently used run first.
+
+    A run holds the keys one owner used, in the order it last used them: for a
+    request, its prefix from head to tail. A use moves the owner's run to the recent
+    end and the keys it names to the run's tail, taking them from other runs.
+    :meth:`oldest` walks the runs from the least recent and each run from its tail, so
+    eviction in that order takes a prefix's tail before its head, and an older
+    request's prefix before a newer one's, whether the owner stored its prefix in one
+    call or many. Owners are request ids (or any object that is not a key: a key
+    inserted without an owner is a run of its own, named by itself).
+    """
+
+    def __init__(self) -> None:
+        self._runs: OrderedDict[Hashable, dict[OffloadKey, Any]] = OrderedDict()
+        self._owner: dict[OffloadKey, Hashable] = {}
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._owner
+
+    def get(self, key: OffloadKey) -> Any | None:
+        owner = self._owner.get(key)
+        return None if owner is None else self._runs[owner][key]
+
+    def insert(self, key: OffloadKey, record: Any, owner: Hashable | None = None) -> None:
+        """Add a key that is not held, at the tail of ``owner``'s run, now the most
+        recent; without an owner, in a run of its own until a use names one."""
+        if owner is None:
+            owner = key
+        run = self._runs.get(owner)
+        if run is None:
+            run = self._runs[owner] = {}
+        else:
+            self._runs.move_to_end(owner)
+        run[key] = record
+        self._owner[key] = owner
+
+    def pop(self, key: OffloadKey) -> Any | None:
+        """Remove ``key``; its record, or None if it is not held."""
+        owner = self._owner.pop(key, None)
+        if owner is None:
+            return None
+        run = self._runs[owner]
+        record = run.pop(key)
+        if not run:
+            del self._runs[owner]
+        return record
+
+    def use(self, key: OffloadKey, owner: Hashable) -> None:
+        """``owner`` used ``key`` (held): its run becomes the most recent and ends with
+        ``key``, wherever ``key`` was, so that a use of a whole prefix orders the run
+        as that prefix."""
+        self.insert(key, self.pop(key), owner)
+
+    def oldest(self) -> Iterator[tuple[OffloadKey, Any]]:
+        """Every key with its record: the least recent run first, each run tail first."""
+        for run in self._runs.values():
+            for key in reversed(run):
+                yield key, run[key]
+
+    def clear(self) -> None:
+        self._runs.clear()
+        self._owner.clear()

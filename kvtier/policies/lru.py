@@ -1,48 +1,50 @@
-"""Least-recently-used eviction."""
+"""Least-recently-used eviction, a prefix at a time."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
 from kvtier.keys import OffloadKey
-from kvtier.policies.base import TrackedPolicy
+from kvtier.policies.base import PrefixOrder, TrackedPolicy
 
 __all__ = ["LRUCachePolicy"]
 
 
 class LRUCachePolicy(TrackedPolicy):
-    """Evicts the least recently used evictable key first.
+    """Evicts the least recently used prefix first, and each prefix from its tail.
 
-    :meth:`touch` walks its keys backwards, so the first key of a prefix ends up the
-    most recent: under pressure a prefix loses its tail before its head, and a later
-    request sharing the head still hits.
+    Keys are ranked by prefix (:class:`~kvtier.policies.base.PrefixOrder`): the keys a
+    request stored, promoted or loaded (:meth:`follow`), or that one :meth:`touch`
+    named, form one prefix, ranked by its latest use. Under pressure the oldest prefix
+    loses its tail first, and a later request sharing its head still hits, however
+    many calls stored it.
     """
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        # Oldest first. Non-evictable keys stay in place so that their recency
-        # survives a pin.
-        self._entries: OrderedDict[OffloadKey, Any] = OrderedDict()
+        # Non-evictable keys keep their rank, so that it survives a pin.
+        self._order = PrefixOrder()
 
     def get(self, key: OffloadKey) -> Any | None:
-        return self._entries.get(key)
+        return self._order.get(key)
 
     def insert(self, key: OffloadKey, record: Any) -> None:
-        self._entries[key] = record
-        self._entries.move_to_end(key)
+        self._order.insert(key, record)
         self._note_inserted(key)
 
     def remove(self, key: OffloadKey) -> None:
-        self._entries.pop(key, None)
+        self._order.pop(key)
         self._note_removed(key)
 
+    def follow(self, keys: Sequence[OffloadKey], owner: Hashable) -> None:
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.use(key, owner)
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        entries = self._entries
-        for key in reversed(keys):
-            if key in entries:
-                entries.move_to_end(key)
+        self.follow(keys, object())
 
     def evict(
         self, n: int, protected: Collection[OffloadKey]
@@ -50,7 +52,7 @@ class LRUCachePolicy(TrackedPolicy):
         if n <= 0:
             return []
         victims: list[tuple[OffloadKey, Any]] = []
-        for key, record in self._entries.items():
+        for key, record in self._order.oldest():
             if self._is_candidate(key, protected):
                 victims.append((key, record))
                 if len(victims) == n:
@@ -58,12 +60,12 @@ class LRUCachePolicy(TrackedPolicy):
         else:
             return None
         for key, _ in victims:
-            del self._entries[key]
+            self._order.pop(key)
         return victims
 
     def clear(self) -> None:
-        self._entries.clear()
+        self._order.clear()
         self._blocked.clear()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._order)

@@ -111,7 +111,8 @@ class SlotLedger:
 
     def pin_for_request(self, keys: Sequence[OffloadKey], req_id: str) -> list[int]:
         """Pin readable ``keys`` for a request; keys promoted for it (reserved) are
-        transferred to it, not pinned a second time. Their slots.
+        transferred to it, not pinned a second time. Their slots. The load is a use
+        of the request's prefix for the eviction policy.
 
         Raises:
             StateError: a key is not readable (nothing is pinned).
@@ -119,7 +120,9 @@ class SlotLedger:
         holder = Holder.request(req_id)
         taken = self.transfer(keys, Holder.reserved(req_id), holder)
         if not taken:
-            return self.pin(keys, holder)
+            slots = self.pin(keys, holder)
+            self._primary.touch(keys, req_id)
+            return slots
         rest = list(keys)
         for key in taken:
             rest.remove(key)
@@ -128,6 +131,7 @@ class SlotLedger:
         except StateError:
             self.transfer(taken, holder, Holder.reserved(req_id))
             raise
+        self._primary.touch(keys, req_id)
         slot_of = self._primary.slot_of
         return [slot for key in keys if (slot := slot_of(key)) is not None]
 

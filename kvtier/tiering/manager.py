@@ -159,7 +159,7 @@ class TieringOffloadingManager(AsyncResource):
         """Record a use of ``keys`` (first = head of the prefix) in every tier."""
         core = self._core
         with core.lock:
-            self.primary.touch(keys)
+            self.primary.touch(keys, req.req_id)
             for state in core.tiers:
                 state.tier.touch(keys)
 
@@ -185,7 +185,7 @@ class TieringOffloadingManager(AsyncResource):
             if self._pending:
                 core.drain()
             core.requests.scheduled(req.req_id)
-            output = self.primary.prepare_store(core.admitted(keys))
+            output = self.primary.prepare_store(core.admitted(keys), owner=req.req_id)
             if output is None:
                 return None
             if output.keys_to_store:

@@ -306,7 +306,7 @@ class Promotions:
         Eviction spares ``protected``: the prefix the lookup is resolving.
         """
         core = self._core
-        out = core.primary.prepare_write([key], protected)
+        out = core.primary.prepare_write([key], protected, request.req_id)
         if out is None or not out.keys_to_store:
             core.counts.counters[Names.PROMOTION_ALLOCATION_FAILURES] += 1
             return None
