@@ -582,7 +582,7 @@ def report(results: Sequence[Mapping[str, Any]], settings: FleetSettings) -> Non
 
 
 def markdown(results: Sequence[Mapping[str, Any]]) -> str:
-    """The table as BENCHMARKS.md records it."""
+    """The table as docs/benchmarks/fleet.md records it."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for result in results:
         row = cells(result)

@@ -18,7 +18,7 @@ ratio. An event-loop probe measures how late its 1 ms timers fire throughout. Th
 scheduler overhead: ``lookup`` hits and one-chunk ``prepare_store`` + ``complete_store``
 cycles of a manager with no secondary tier.
 
-The last line is one JSON object with the figures; BENCHMARKS.md records them.
+The last line is one JSON object with the figures; docs/benchmarks/fs-tier.md records them.
 
     python benchmarks/fs_tier.py --root /path/on/the/disk/to/measure
 """

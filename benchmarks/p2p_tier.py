@@ -17,7 +17,7 @@ probe on the reader measures how late its 1 ms timers fire while promotions run,
 for comparison, while the raw transfer runs on a thread and the loop has nothing to do
 (what is left is the operating system's scheduling on a busy machine).
 
-The last line is one JSON object with the figures; BENCHMARKS.md records them.
+The last line is one JSON object with the figures; docs/benchmarks/p2p-tier.md records them.
 
     python benchmarks/p2p_tier.py [--total-gib 1] [--rounds 5]
 """

