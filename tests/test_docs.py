@@ -18,12 +18,18 @@ An HTML comment on the line just before a fence changes that:
     <!-- docs-test: run -->                   a shell block runs (bash -e) in a fresh
                                               temporary directory with kvtier on PATH
 
+A block skipped as ``(output of the example above)`` or ``(output of the command
+above)`` is what the block before it prints: that block's output (a shell block's
+stdout and stderr together) must equal it, so that a sample cannot drift from the
+program.
+
 ``syntax`` and ``skip`` must give their reason in parentheses; a comment that starts
 ``<!-- docs-test`` and is none of these, or that no fence follows, fails the page.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -107,7 +113,7 @@ def blocks_of(path: Path, text: str | None = None) -> list[Block]:
         if end == len(lines):
             raise PageError(f"{name_of_any(path)}:{i + 1}: the fence never closes")
         code = "".join(
-            f"{line[indent:] if line[:indent].isspace() else line.lstrip()}\n"
+            f"{line[indent:] if not line[:indent].strip() else line.lstrip()}\n"
             for line in lines[i + 1 : end]
         )
         marker = reason = None
@@ -192,6 +198,21 @@ def shell_commands(block: Block) -> str:
 
 
 BLOCKS = all_blocks()
+OUTPUT = re.compile(r"^output of the (example|command) above$")
+
+
+def samples(blocks: list[Block]) -> dict[str, Block]:
+    """Block id -> the block after it that shows its output (see the module's doc)."""
+    found = {}
+    for before, after in itertools.pairwise(blocks):
+        if after.marker == "skip" and OUTPUT.match(after.reason or ""):
+            runs = (before.lang in PYTHON and before.marker is None) or before.marker == "run"
+            assert runs and before.path == after.path, f"{after.id}: no block above it runs"
+            found[before.id] = after
+    return found
+
+
+SAMPLES = samples(BLOCKS)
 
 
 @pytest.mark.parametrize(
@@ -220,11 +241,13 @@ def test_the_block_works_as_pasted(block: Block, tmp_path: Path) -> None:
             ["bash", "-e", "-o", "pipefail", "-c", commands],
             cwd=tmp_path,
             env=user_env(),
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
             timeout=LIMIT_S,
         )
-        assert result.returncode == 0, f"{block.id}\n{result.stdout}\n{result.stderr}"
+        assert result.returncode == 0, f"{block.id}\n{result.stdout}"
+        check_sample(block, result.stdout)
         return
     assert block.marker is None, f"{block.id}: unknown marker {block.marker!r}"
     if block.lang == "json":
@@ -238,6 +261,16 @@ def test_the_block_works_as_pasted(block: Block, tmp_path: Path) -> None:
         for name in left:
             (SHM_DIR / name).unlink(missing_ok=True)
         assert not left, f"{block.id} left {left} in {SHM_DIR}"
+        check_sample(block, result.stdout)
+
+
+def check_sample(block: Block, output: str) -> None:
+    """The sample shown under BLOCK, if any, is what it printed."""
+    if block.id in SAMPLES:
+        sample = SAMPLES[block.id]
+        assert output.rstrip() == sample.code.rstrip(), (
+            f"{sample.id} is not what {block.id} prints:\n{output}"
+        )
 
 
 def test_the_pages_have_blocks_of_every_kind_checked():
@@ -382,3 +415,127 @@ def test_a_heading_anchor_is_the_one_mkdocs_makes(tmp_path):
         "# The `fs` tier: files\n\n```python\n# not a heading\n```\n## Back-pressure & limits\n"
     )
     assert anchors_of(page) == {"the-fs-tier-files", "back-pressure-limits"}
+
+
+# ------------------------------------------- what the pages say, against the code
+
+
+def text_of_all_pages() -> str:
+    return "\n".join(path.read_text() for path in pages())
+
+
+def table_names(*paths: Path) -> set[str]:
+    """Every `name` in the first column of the pages' tables."""
+    lines = [line for path in paths for line in path.read_text().splitlines()]
+    rows = [line.split("|")[1] for line in lines if line.startswith("| `")]
+    return {name for cell in rows for name in re.findall(r"`(\w+)`", cell)}
+
+
+def vllm_serve_configs() -> list[dict]:
+    """The --kv-transfer-config of every `vllm serve` example, as written."""
+    found = re.findall(r"--kv-transfer-config '(\{.*?\})'", text_of_all_pages(), re.DOTALL)
+    return [json.loads(config) for config in found]
+
+
+def test_every_key_of_the_vllm_examples_is_in_the_configuration_reference():
+    configs = vllm_serve_configs()
+    assert configs, "no page shows `vllm serve --kv-transfer-config` any more"
+    reference = [DOCS / "reference" / "configuration.md", *sorted((DOCS / "tiers").glob("*.md"))]
+    documented = table_names(*[path for path in reference if "|" in path.read_text()])
+    for config in configs:
+        extra = config["kv_connector_extra_config"]
+        used = set(extra) | {key for tier in extra.get("secondary_tiers", []) for key in tier}
+        assert used - documented == set()
+
+
+def python_code() -> list[str]:
+    return [block.code for block in BLOCKS if block.lang in PYTHON and block.marker != "skip"]
+
+
+def test_every_example_that_computes_keys_salts_them_as_prefix_cache_does():
+    import inspect
+
+    from kvtier.integrations import transformers
+
+    advice = 'f"{model_name}\\0{kv_dtype}"'
+    assert advice in inspect.getsource(transformers.PrefixCache).replace("kv.config.", "")
+    lines = [line for code in python_code() for line in code.splitlines()]
+    salts = [line for line in lines if line.lstrip().startswith("salt =")]
+    assert salts and all("\\0{" in line and "kv_dtype}" in line for line in salts)
+    calls = [line for line in lines if "prefix_keys(" in line and "import" not in line]
+    assert calls and all("salt=" in line for line in calls), calls
+
+
+@pytest.mark.slow
+def test_the_tier_contract_example_runs_under_pytest_as_written(tmp_path):
+    page = DOCS / "tiers" / "writing-a-tier.md"
+    [code] = [b.code for b in blocks_of(page) if b.marker is None and "(TierContract)" in b.code]
+    module = tmp_path / "test_my_tier.py"
+    module.write_text(code)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(module)],
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The example tier has no damage, stall or capacity hooks: those tests skip.
+    assert re.search(r"\b6 passed, 5 skipped\b", result.stdout), result.stdout
+
+
+def first_two_shell_blocks(path: Path, heading: str) -> list[str]:
+    text = path.read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    section = text[start : end if end > 0 else len(text)]
+    return re.findall(r"```bash\n(.*?)```", section, re.DOTALL)[:2]
+
+
+@pytest.mark.parametrize(
+    ("page", "headings"),
+    [
+        ("README.md", ["Set up and run `kvtier bench`; run the tests"]),
+        ("docs/getting-started.md", ["Set up and run `kvtier bench`", "Run the tests"]),
+    ],
+)
+def test_the_two_commands_set_up_and_bench_then_test(page, headings):
+    path = ROOT / page
+    blocks = [block for heading in headings for block in first_two_shell_blocks(path, heading)]
+    setup = blocks[0]
+    tests = next(block for block in blocks[1:] if "nox -s tests" in block)
+    assert "pip install ." in setup and "kvtier bench" in setup
+    assert setup.index("pip install torch==") < setup.index("pip install .")
+    assert "pip install nox" in tests
+
+
+def test_extras_are_installed_from_the_checkout_as_the_pages_say():
+    text = text_of_all_pages()
+    assert "'kvtier[" not in text  # kvtier installs from its checkout, not by name
+    extras = set(re.findall(r"pip\s+install\s+[^`\n]*?'\.\[(\w+)\]'", text))
+    assert {"bench", "plot", "hf", "docs"} <= extras
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for extra in extras:
+        assert re.search(rf"^{extra} = \[", pyproject, re.M), extra
+
+
+def test_the_server_walkthrough_sends_a_prompt_longer_than_a_chunk_twice_before_its_grep():
+    """What `grep chunk_hits` shows after the example server's requests: hits, since the
+    second request repeats a prompt of whole chunks (the model test sends it, too)."""
+    holding = [path for path in pages() if "| grep chunk_hits" in path.read_text()]
+    if not holding:
+        pytest.skip("no page walks through examples/serve.py's requests yet")
+    for path in holding:
+        lines = path.read_text().splitlines()
+        requests = [i for i, line in enumerate(lines) if line.startswith("curl") and "-d @" in line]
+        grep = next(i for i, line in enumerate(lines) if "| grep chunk_hits" in line)
+        assert len(requests) >= 2 and lines[requests[0]] == lines[requests[1]]
+        assert requests[1] < grep
+        body = json.loads((ROOT / lines[requests[0]].split("-d @")[1].split()[0]).read_text())
+        # SmolLM2's tokenizer splits at spaces, so every word is a token or more: the
+        # prompt holds at least two whole chunks of the server's.
+        words = sum(len(message["content"].split()) for message in body["messages"])
+        serve = (ROOT / "examples" / "serve.py").read_text()
+        chunk_tokens = int(re.search(r"^CHUNK_TOKENS = (\d+)", serve, re.M).group(1))
+        assert words >= 2 * chunk_tokens
