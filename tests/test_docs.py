@@ -539,3 +539,52 @@ def test_the_server_walkthrough_sends_a_prompt_longer_than_a_chunk_twice_before_
         serve = (ROOT / "examples" / "serve.py").read_text()
         chunk_tokens = int(re.search(r"^CHUNK_TOKENS = (\d+)", serve, re.M).group(1))
         assert words >= 2 * chunk_tokens
+
+
+def configurations() -> list[tuple[str, dict]]:
+    """(where, extra_config) of every example that configures kvtier: a JSON block
+    holding a vLLM --kv-transfer-config, an extra_config, or one tier's mapping (put
+    under a primary tier of 1 GiB), and every `vllm serve` example's
+    ``--kv-transfer-config``. Blocks that name a module of the reader's own
+    (``my_pkg``) are left out: nothing of that name exists here."""
+    found = []
+    for block in BLOCKS:
+        if block.lang != "json" or block.marker is not None or "my_pkg" in block.code:
+            continue
+        value = json.loads(block.code)
+        if "kv_connector_extra_config" in value:
+            found.append((block.id, value["kv_connector_extra_config"]))
+        elif "type" in value:
+            found.append((block.id, {"cpu_bytes_to_use": 2**30, "secondary_tiers": [value]}))
+        elif "cpu_bytes_to_use" in value:
+            found.append((block.id, value))
+    for n, config in enumerate(vllm_serve_configs()):
+        found.append((f"vllm-serve-{n}", config["kv_connector_extra_config"]))
+    return found
+
+
+CONFIGURATIONS = configurations()
+
+
+def test_the_pages_show_configurations_to_check():
+    assert len(CONFIGURATIONS) >= 10
+
+
+@pytest.mark.parametrize(("where", "extra"), CONFIGURATIONS, ids=[i for i, _ in CONFIGURATIONS])
+def test_a_configuration_example_is_one_the_engine_accepts(where, extra):
+    """Read as the engine reads it (vLLM's keys as kvtier's adapter translates them),
+    every tier's parameters checked, connecting to nothing."""
+    from kvtier import OffloadingConfig, OffloadingSpecFactory
+    from kvtier.integrations.vllm_config import adapter_extra_config, names_adapter
+    from kvtier.specs.factory import with_spec_name
+
+    if names_adapter(extra):
+        extra = adapter_extra_config(extra, 16)
+    config = OffloadingConfig(
+        engine_id="docs-config-check",
+        kv_bytes_per_block=131072,
+        extra_config=with_spec_name(extra),
+    )
+    spec = OffloadingSpecFactory.create_spec(config)
+    spec.close()
+    assert len(spec.settings.tiers) == len(extra.get("secondary_tiers", []))
