@@ -588,3 +588,12 @@ def test_a_configuration_example_is_one_the_engine_accepts(where, extra):
     spec = OffloadingSpecFactory.create_spec(config)
     spec.close()
     assert len(spec.settings.tiers) == len(extra.get("secondary_tiers", []))
+
+
+def test_the_readme_is_a_door_to_every_guide():
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 150
+    linked = {target.partition("#")[0] for _, target in links_of(readme)}
+    guides = {f"docs/guides/{path.name}" for path in (DOCS / "guides").glob("*.md")}
+    assert guides and guides <= linked, guides - linked
+    assert "docs/getting-started.md" in linked and "docs/benchmarks/index.md" in linked
