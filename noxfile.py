@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, and
+"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s
+docs`` (the documentation site, built strictly), and
 ``nox -s model`` (the real SmolLM2 model through kvtier; not run by default),
 ``nox -s vllm`` (vLLM's real scheduler and connectors driving kvtier) and ``nox -s
 sglang`` (SGLang's real HiCache controllers storing into kvtier)."""
@@ -68,6 +69,16 @@ def typecheck(session: nox.Session) -> None:
     session.install(*torch_install_args(os.environ))
     session.install("-e", ".[typecheck]")
     session.run("mypy")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with ``mkdocs build --strict`` (a broken link, a
+    missing page or an API name that does not resolve fails it) into a temporary
+    directory; ``mkdocs serve`` with the docs extra shows it while writing."""
+    session.install(*torch_install_args(os.environ))
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict", "--site-dir", f"{session.create_tmp()}/site")
 
 
 def install_without_requirements(session: nox.Session, engine: str, pins: str) -> None:

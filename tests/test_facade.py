@@ -183,7 +183,8 @@ def test_the_example_host_runs(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "round 2 user 7: 16 of 16 chunks cached" in result.stdout
-    # What the README says to do next: inspect the fs tier the example left behind.
+    # What the command-line reference (docs/reference/cli.md) says to do next: inspect the
+    # fs tier the example left behind.
     inspected = kvtier("inspect", str(tmp_path), "--json")
     assert inspected.returncode == 0, inspected.stderr
     [namespace] = json.loads(inspected.stdout)

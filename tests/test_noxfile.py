@@ -1,4 +1,4 @@
-"""How the nox sessions install torch, and what the README tells a user about it.
+"""How the nox sessions install torch, and what Getting started tells a user about it.
 
 The test environment need not have nox, so noxfile.py's constants and plain functions
 are run on their own: every top-level statement that does not name ``nox`` (the
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOXFILE = ROOT / "noxfile.py"
-README = ROOT / "README.md"
+GETTING_STARTED = ROOT / "docs" / "getting-started.md"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
@@ -66,7 +66,7 @@ def test_every_session_that_installs_torch_installs_it_through_the_variables():
     assert "torch_install_args(os.environ)" in ast.unparse(engines)
     through = ("torch_install_args", "install_without_requirements")
     torch_sessions = [s.name for s in sessions if any(n in ast.unparse(s) for n in through)]
-    assert torch_sessions == ["tests", "model", "typecheck", "vllm", "sglang"]
+    assert torch_sessions == ["tests", "model", "typecheck", "docs", "vllm", "sglang"]
     for session in [*sessions, engines]:
         assert "TORCH_CPU" not in ast.unparse(session), session.name
 
@@ -76,8 +76,8 @@ def bash_lines(text: str) -> list[str]:
     return [line for block in blocks for line in block.splitlines()]
 
 
-def test_the_readme_tells_a_user_elsewhere_how_to_get_the_cpu_build(noxfile):
-    lines = bash_lines(README.read_text())
+def test_getting_started_tells_a_user_elsewhere_how_to_get_the_cpu_build(noxfile):
+    lines = bash_lines(GETTING_STARTED.read_text())
     pip = [line for line in lines if line.startswith("pip install torch==")]
     # As written for the project's machines first, then with PyTorch's CPU index.
     assert pip[0].split("#")[0].split() == ["pip", "install", noxfile["TORCH_CPU"]]

@@ -158,7 +158,8 @@ def test_serve_answers_chat_completions_and_reuses_the_prefix(tmp_path):
     try:
         # A first run converts the weights (about a minute here) before it listens.
         wait_ready(server, f"{base}/health", limit_s=600)
-        # The README's example: its request twice, then the chunk hits it shows.
+        # The example server guide's walkthrough (docs/guides/example-server.md): its
+        # request twice, then the chunk hits it shows.
         readme_request = json.loads((ROOT / "examples" / "chat.json").read_text())
         readme_answers = [post(f"{base}/v1/chat/completions", readme_request) for _ in range(2)]
         with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
