@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from kvtier.cli._args import fail, read_json_object
 from kvtier.config import OffloadingConfig
 from kvtier.errors import KVTierError
-from kvtier.tiering.runner import RunnerSettings
 
 if TYPE_CHECKING:
     from kvtier.specs.base import OffloadingSpec
@@ -145,7 +144,7 @@ def plan_command(args: argparse.Namespace) -> int:
     print(f"{'tiers':<{width}}  {len(tiers) or 'none (the primary tier only)'}")
     for tier in tiers:
         print(f"tier {tier['label']}  {tier['class']} ({tier['locality']})")
-        rows = {key: tier[key] for key in _RUNNER_FIELDS}
+        rows = {key: tier[key] for key in _runner_fields()}
         rows["enable_kv_events"] = tier["enable_kv_events"]
         rows["backpressure"] = tier["backpressure"] or "off"
         if tier["settings"] is not None:
@@ -177,7 +176,11 @@ def _plan_tier(tier: TierConfig) -> dict[str, Any]:
     }
 
 
-_RUNNER_FIELDS = tuple(f.name for f in dataclasses.fields(RunnerSettings))
+def _runner_fields() -> tuple[str, ...]:
+    """The names of a tier's runner settings, in the order the plan lists them."""
+    from kvtier.tiering.runner import RunnerSettings
+
+    return tuple(f.name for f in dataclasses.fields(RunnerSettings))
 
 
 def _jsonable(value: Any) -> Any:
