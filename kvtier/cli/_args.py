@@ -122,7 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", dest="json_path", type=Path, help="also write the report as JSON here"
     )
     bench.add_argument(
-        "--plot", type=Path, help="draw hit rate and throughput over time (needs matplotlib)"
+        "--plot",
+        type=Path,
+        help="draw hit rate and throughput over time, spans without a finished request "
+        "shaded (idle: none in flight; stalled: some in flight) and the measured limits "
+        "as lines (needs matplotlib)",
     )
     bench.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT"
