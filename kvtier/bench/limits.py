@@ -17,7 +17,10 @@ from kvtier.bench.physical import measure_memcpy
 from kvtier.bench.registry import MEMCPY_KEY, BenchTierRegistry, LimitContext, TierTraffic
 from kvtier.tiers import SecondaryTier
 
-__all__ = ["FASTER_THAN_MEASURED", "measure_limits"]
+__all__ = ["FASTER_THAN_MEASURED", "PHASE", "measure_limits"]
+
+#: How the run's phase reads while limits are measured; each limit's name follows it.
+PHASE = "measuring the physical limits"
 
 #: Why a tier beat a limit measured at its own depths, when its entry knows no route
 #: around the limit: the limit is measured once, after the run.
@@ -35,13 +38,17 @@ async def measure_limits(
     chunk_bytes: int,
     workspace: Path,
     memcpy: Callable[[], float] = measure_memcpy,
+    phase: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, float], dict[str, float | None], dict[str, str]]:
     """``(physical, ratios, notes)`` for ``tiers`` (built tiers and their traffic, by label).
 
     ``physical`` holds GB/s by :attr:`Limit.key`, ``ratios`` the tiers' GB/s over
     those by :attr:`Limit.ratio`, in the order of the tiers; ``notes`` why a ratio is
-    above 1, by :attr:`Limit.ratio`.
+    above 1, by :attr:`Limit.ratio`. ``phase`` hears which limit is being measured,
+    and each step of a measurement that reports its steps (from any thread).
     """
+    say = phase if phase is not None else _silent
+    say(f"{PHASE}: memcpy")
     physical = {MEMCPY_KEY: round(await asyncio.to_thread(memcpy), 3)}
     ratios: dict[str, float | None] = {}
     notes: dict[str, str] = {}
@@ -51,7 +58,15 @@ async def measure_limits(
         if entry is None or entry.measure is None or entry.name in measured:
             continue
         measured.add(entry.name)
-        limits = await entry.measure(tier, LimitContext(chunk_bytes, workspace, traffic))
+        labels = ", ".join(limit.label for limit in entry.limits)
+        say(f"{PHASE}: {entry.name} ({labels})")
+        context = LimitContext(
+            chunk_bytes,
+            workspace,
+            traffic,
+            progress=_steps_of(entry.name, say),
+        )
+        limits = await entry.measure(tier, context)
         for limit in entry.limits:
             gbps = limits[limit.direction]
             physical[limit.key] = round(gbps, 3)
@@ -60,6 +75,19 @@ async def measure_limits(
                 route = entry.above_limit(tier, limit.direction) if entry.above_limit else None
                 notes[limit.ratio] = route or FASTER_THAN_MEASURED
     return physical, ratios, notes
+
+
+def _steps_of(name: str, say: Callable[[str], None]) -> Callable[[str], None]:
+    """How the steps of bench tier ``name``'s measurement reach the run's phase."""
+
+    def step(text: str) -> None:
+        say(f"{PHASE}: {name}, {text}")
+
+    return step
+
+
+def _silent(text: str) -> None:
+    pass
 
 
 def _ratio(measured: float | None, limit: float) -> float | None:

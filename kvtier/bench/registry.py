@@ -37,7 +37,7 @@ import enum
 import importlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,9 @@ class LimitContext:
     #: The run's working directory (the measurement may use a subdirectory of it).
     workspace: Path
     traffic: TierTraffic
+    #: Hears what a long measurement is doing each time that changes ("pass 1 of 3:
+    #: writing 1,024 chunks"), so the run shows it moving; called from any thread.
+    progress: Callable[[str], None] = field(default=lambda text: None, compare=False)
 
     def chunks(self, moved: int, cap_bytes: int) -> int:
         """How many chunks to measure with: as many as ``moved`` bytes, up to the cap.

@@ -43,7 +43,10 @@ class TimelinePoint(TypedDict):
     """The counters at one moment of the run (seconds ``t`` after it started)."""
 
     t: float
+    #: Requests finished so far.
     requests: int
+    #: Requests being served at this moment (started, not finished).
+    in_flight: int
     chunks: int
     hits: int
     #: By tier label.
@@ -59,6 +62,8 @@ class RequestStats:
     hits: int = 0
     stored: int = 0
     wrong_chunks: int = 0
+    #: Requests started and not finished yet (the timeline samples it).
+    in_flight: int = 0
     lookup_s: list[float] = field(default_factory=list)
     load_s: list[float] = field(default_factory=list)
     store_s: list[float] = field(default_factory=list)
@@ -128,7 +133,12 @@ async def _serve_waves(
         async with gate:
             if time.monotonic() > deadline:
                 return
-            stats.add(await engine.serve(request))
+            stats.in_flight += 1
+            try:
+                served = await engine.serve(request)
+            finally:
+                stats.in_flight -= 1
+            stats.add(served)
             if progress is not None:
                 progress(stats.requests, total, stats.hits)
 
@@ -153,6 +163,7 @@ async def _sample(
             {
                 "t": round(time.perf_counter() - started, 3),
                 "requests": stats.requests,
+                "in_flight": stats.in_flight,
                 "chunks": stats.chunks,
                 "hits": stats.hits,
                 "tiers": {

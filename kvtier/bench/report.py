@@ -12,13 +12,24 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.bench.probe import percentile
-from kvtier.bench.registry import MEMCPY_KEY, BenchTierRegistry
+from kvtier.bench.registry import MEMCPY_KEY, BenchTierRegistry, Direction, Limit
 from kvtier.bench.replay import SAMPLE_INTERVAL_S, Replay, TimelinePoint
 from kvtier.bench.settings import BenchSettings
 from kvtier.bench.tiers import BENCH_TIERS
 from kvtier.bench.workloads import Workload
 
-__all__ = ["PRIMARY", "build_report", "combine", "draw", "plot", "print_report", "tier_problems"]
+__all__ = [
+    "PRIMARY",
+    "build_report",
+    "combine",
+    "draw",
+    "limits_note",
+    "plot",
+    "print_report",
+    "quiet_spans",
+    "tier_problems",
+    "tiers_note",
+]
 
 GB = 1e9
 MIB = 1 << 20
@@ -212,14 +223,7 @@ def print_report(
     for label, cell in _TIER_ROWS:
         table.add_row(label, *(cell(tier) for tier in tiers))
     console.print(table)
-    console.print(
-        "lookups: each time a tier was asked about a chunk. A request waiting for a "
-        "promotion asks the primary tier again, so 0:primary counts more lookups than "
-        "chunks requested; a secondary tier is asked once per chunk. GB/s: while the "
-        "tier was moving data.",
-        style="dim",
-        highlight=False,
-    )
+    console.print(tiers_note(report), style="dim", highlight=False)
     # The KV tensors live on the GPU, or on the CPU standing in for one.
     kv = "GPU" if settings["device"] == "cuda" else "CPU"
     latency = _table("latency per request (ms) and event loop", ["p50", "p99"])
@@ -252,18 +256,70 @@ def print_report(
                 f"{notes[limit.ratio]}",
                 highlight=False,
             )
-    console.print(
-        "kvtier / limit: the tier's GB/s while it moved data, over the raw figure. A "
-        "serving workload moves data only when its requests need it, so a ratio well "
-        "below 1 there means the tier kept up, not that it is slow; cold-warm drives "
-        "the tiers flat out and measures how close kvtier comes to the hardware.",
-        style="dim",
-        highlight=False,
-    )
+    console.print(limits_note(report, shown), style="dim", highlight=False)
     if requests["wrong_chunks"]:
         console.print(
             f"[bold red]{requests['wrong_chunks']} chunks were served with wrong bytes[/]"
         )
+
+
+def tiers_note(report: Mapping[str, Any]) -> str:
+    """The footnote of the tiers table: what its rows count, said of this run's figures."""
+    requests = report["requests"]
+    primary = report["tiers"][0]
+    lines = ["lookups: each time a tier was asked about a chunk."]
+    if primary["queries"] > requests["chunks"]:
+        lines.append(
+            f"{primary['name']} counts {primary['queries']:,} for {requests['chunks']:,} "
+            "chunks requested: a request waiting for a promotion asks it again."
+        )
+    lines.append(
+        "GB/s: the bytes over the span from the tier's first transfer to its last, the "
+        "pauses between included."
+    )
+    recompute_s = report["settings"].get("recompute_s_per_chunk")
+    if recompute_s is None:
+        lines.append(
+            "hits left to recompute: secondary hits not promoted because recomputing the "
+            "chunk would be sooner; none here, as no recompute_s_per_chunk is set."
+        )
+    else:
+        skipped = sum(tier["skipped_slower_than_recompute"] for tier in report["tiers"])
+        lines.append(
+            f"hits left to recompute: {skipped:,} secondary hits were misses because their "
+            f"promotion would have arrived later than recomputing the chunk "
+            f"(recompute_s_per_chunk {recompute_s:g} s)."
+        )
+    return " ".join(lines)
+
+
+def limits_note(report: Mapping[str, Any], shown: Sequence[Limit]) -> str:
+    """The footnote of the limits table, naming the ratios it explains: a serving
+    workload's are a floor on how busy the tier was, cold-warm's how close it came to
+    the hardware."""
+    ratios = report.get("ratios", {})
+    notes = report.get("ratio_notes", {})
+    listed = [
+        f"{limit.label} {ratios[limit.ratio]:.2f}"
+        for limit in shown
+        if ratios.get(limit.ratio) is not None and limit.ratio not in notes
+    ]
+    text = "kvtier / limit: the tier's GB/s over the raw figure measured in this run."
+    if not listed:
+        return f"{text} - where the tier moved nothing that way."
+    here = f"here {', '.join(listed)}"
+    if report["workload"] == "cold-warm":
+        return (
+            f"{text} cold-warm drives the tiers flat out (every chunk stored once, then "
+            f"read back from below), so its ratios ({here}) measure how close kvtier comes "
+            "to the hardware."
+        )
+    return (
+        f"{text} {report['workload']} moves data only when its requests need it, and a "
+        "tier's GB/s count the pauses between, so a ratio is the share of that time the "
+        f"raw I/O would take to move the same bytes ({here}), not how fast the tier can "
+        "go: --workload cold-warm measures that."
+    )
 
 
 def _table(title: str, columns: Sequence[str]) -> Table:
@@ -381,13 +437,43 @@ def plot(reports: Sequence[dict[str, Any]], path: Path) -> int:
     return points
 
 
+#: A span of the timeline in which no request finished: why.
+SpanKind = Literal["idle", "stalled"]
+
+#: How each kind of span is drawn: its legend entry and its colour.
+_SPANS: dict[SpanKind, tuple[str, str]] = {
+    "idle": ("idle: no request in flight", "0.85"),
+    "stalled": ("stalled: requests in flight, none finished", "tab:red"),
+}
+
+
+def quiet_spans(timeline: Sequence[TimelinePoint]) -> list[tuple[float, float, SpanKind]]:
+    """The spans ``(start, end, kind)`` of the timeline in which no request finished,
+    neighbouring intervals of one kind joined: ``idle`` where no request was in flight
+    at either end (between waves, while the primary tier is emptied or the tiers
+    drain), ``stalled`` where requests were in flight but none finished."""
+    spans: list[tuple[float, float, SpanKind]] = []
+    for before, after in itertools.pairwise(timeline):
+        if after["requests"] != before["requests"]:
+            continue
+        kind: SpanKind = "stalled" if before["in_flight"] or after["in_flight"] else "idle"
+        if spans and spans[-1][1] == before["t"] and spans[-1][2] == kind:
+            spans[-1] = (spans[-1][0], after["t"], kind)
+        else:
+            spans.append((before["t"], after["t"], kind))
+    return spans
+
+
 def draw(reports: Sequence[dict[str, Any]]) -> tuple[Any, int]:
     """The figure :func:`plot` saves, and how many points it holds.
 
     Top row: the chunk hit rate of each sampling interval, and since the start. Bottom
-    row: each secondary tier's GB/s in and out; a series that stays at zero (the
-    primary tier's, whose bytes are the engine's; a p2p tier's writes, which are
-    announcements) is left out, and the legend sits beside the axes, never over data.
+    row: each secondary tier's GB/s in and out, and as horizontal lines the limits the
+    run measured for them (the raw disk's write and read, for an fs tier); a series
+    that stays at zero (the primary tier's, whose bytes are the engine's; a p2p tier's
+    writes, which are announcements) is left out. On both, the spans in which no
+    request finished are shaded, grey where none was in flight (idle) and red where
+    some were (stalled). The legends sit beside the axes, never over data.
     """
     import matplotlib.pyplot as plt
 
@@ -408,6 +494,14 @@ def draw(reports: Sequence[dict[str, Any]]) -> tuple[Any, int]:
         )
         hit_axis.plot(times[1:], cumulative, "--", label="since the start")
         points += len(interval) + len(cumulative)
+        shaded: set[SpanKind] = set()
+        for start, end, kind in quiet_spans(timeline):
+            text, colour = _SPANS[kind]
+            for axis in (hit_axis, rate_axis):
+                # One legend entry per kind: matplotlib leaves out labels starting "_".
+                label = text if kind not in shaded and axis is hit_axis else f"_{text}"
+                axis.axvspan(start, end, color=colour, alpha=0.25, linewidth=0, label=label)
+            shaded.add(kind)
         hit_axis.set_title(f"{report['workload']}: chunk hit rate")
         hit_axis.set_ylim(0, 1.05)
         hit_axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -427,6 +521,16 @@ def draw(reports: Sequence[dict[str, Any]]) -> tuple[Any, int]:
                 rate_axis.plot(times[1:], speeds, style, marker=".", label=f"{label} {word}")
                 points += len(speeds)
                 drawn += 1
+        physical = report.get("physical", {})
+        for limit in BENCH_TIERS.limits():
+            if limit.key not in physical:
+                continue
+            gbps = physical[limit.key]
+            style = ":" if limit.direction is Direction.WRITE else "-."
+            rate_axis.axhline(
+                gbps, color="black", linestyle=style, linewidth=1.5, label=f"{limit.label} {gbps:g}"
+            )
+            drawn += 1
         rate_axis.set_title("secondary tier throughput (GB/s): in = stored, out = read back")
         rate_axis.set_xlabel("seconds")
         if drawn:

@@ -81,16 +81,18 @@ async def run_bench(
                 counts = kv.manager.diagnostics.tier_stats()
                 promotions = kv.manager.diagnostics.promotion_latencies()
                 built = dict(zip(kv.manager.diagnostics.tier_labels, kv.manager.tiers, strict=True))
+                recompute_s = kv.manager.host.recompute_s_per_chunk
             report = build_report(settings, workload, run, counts, labels, promotions, device())
+            report["settings"]["recompute_s_per_chunk"] = recompute_s
             report["duration_s"] = round(run.elapsed_s, 3)
             report["errors"], report["warnings"] = tier_problems(report["tiers"], problems.reasons)
             traffic = {entry["name"]: _traffic(entry) for entry in report["tiers"]}
-            say("measuring the physical limits")
             report["physical"], report["ratios"], report["ratio_notes"] = await measure_limits(
                 {label: (tier, traffic[label]) for label, tier in built.items()},
                 tiers,
                 chunk_bytes=settings.chunk_bytes,
                 workspace=root,
+                phase=say,
             )
     return report
 

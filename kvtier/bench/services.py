@@ -20,10 +20,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from kvtier.bench.engine import Engine, copy_engine, kv_caches
 from kvtier.bench.settings import BenchSettings, bench_config
 from kvtier.bench.workloads import WorkloadSize, build_workload, chain_keys
-from kvtier.facade import KVTier
 from kvtier.keys import OffloadKey
 from kvtier.tiers.p2p import PeerTier
 
@@ -96,6 +94,11 @@ def serve_peer(settings: BenchSettings, secret: str, conn: Connection) -> None:
 
 
 async def _serve_peer(settings: BenchSettings, secret: str, conn: Connection) -> None:
+    # Imported in the peer's process, which holds tensors: the bench's own tier list
+    # (and with it the ``kvtier`` command's help) imports no torch.
+    from kvtier.bench.engine import Engine, copy_engine, kv_caches
+    from kvtier.facade import KVTier
+
     workload = build_workload(
         settings.workload,
         WorkloadSize(settings.working_set_chunks, settings.max_prompt_chunks, settings.seed),

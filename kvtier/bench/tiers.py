@@ -72,6 +72,7 @@ async def _raw_disk(tier: SecondaryTier, run: LimitContext) -> dict[Direction, f
             depths=raw_disk_depths(fs),
             direct=fs.o_direct,
             keep=True,
+            progress=run.progress,
         )
     finally:
         await asyncio.to_thread(shutil.rmtree, directory, True)

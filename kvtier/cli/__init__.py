@@ -14,16 +14,14 @@ as SIGPIPE would.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.cli._args import build_parser
-from kvtier.cli._bench import bench_command
-from kvtier.cli._inspect import inspect_command
-from kvtier.cli._plan import plan_command
 
 __all__ = ["main"]
 
@@ -35,10 +33,9 @@ _SIGPIPE_EXIT = 128 + signal.SIGPIPE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    handlers = {"bench": bench_command, "inspect": inspect_command, "plan": plan_command}
     try:
         args = build_parser().parse_args(argv)
-        code = handlers[args.command](args)
+        code = _handler(args.command)(args)
         # Inside the try: a reader that left early breaks the pipe here, not in the
         # flush at exit, where Python could only print a traceback about it.
         sys.stdout.flush()
@@ -46,6 +43,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return _SIGPIPE_EXIT
     return code
+
+
+def _handler(command: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs ``command``, its module imported now: each command
+    imports what it needs (``bench`` its replay and torch) and no other command does."""
+    if command == "bench":
+        from kvtier.cli._bench import bench_command
+
+        return bench_command
+    if command == "inspect":
+        from kvtier.cli._inspect import inspect_command
+
+        return inspect_command
+    from kvtier.cli._plan import plan_command
+
+    return plan_command
 
 
 def _silence_stdout() -> None:

@@ -7,20 +7,21 @@ import argparse
 import dataclasses
 import enum
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.cli._args import fail, read_json_object
+from kvtier.cli._args import fail, read_json_object, spoken_list
+from kvtier.cli._model import ModelShape, ModelShapeError
 from kvtier.config import OffloadingConfig
 from kvtier.errors import KVTierError
-from kvtier.tiering.runner import RunnerSettings
 
 if TYPE_CHECKING:
     from kvtier.specs.base import OffloadingSpec
     from kvtier.specs.settings import TierConfig
 
-__all__ = ["as_kvtier_reads", "engine_spec", "plan_command"]
+__all__ = ["as_kvtier_reads", "engine_spec", "missing_paths", "model_shape", "plan_command"]
 
 
 def as_kvtier_reads(extra: Mapping[str, Any], tokens_per_block: int) -> dict[str, Any]:
@@ -85,13 +86,24 @@ def plan_command(args: argparse.Namespace) -> int:
             extra[key] = json.loads(value)
         except json.JSONDecodeError:
             extra[key] = value
+    shape = model_shape(args)
+    try:
+        kv_bytes_per_block = (
+            args.kv_bytes_per_block
+            if shape is None
+            else shape.kv_bytes_per_block(args.tokens_per_block, args.world_size)
+        )
+    except ModelShapeError as exc:
+        fail(str(exc))
     try:
         config = OffloadingConfig(
             engine_id=args.engine_id,
-            kv_bytes_per_block=args.kv_bytes_per_block,
+            kv_bytes_per_block=kv_bytes_per_block,
             tokens_per_block=args.tokens_per_block,
             world_size=args.world_size,
             extra_config=with_spec_name(as_kvtier_reads(extra, args.tokens_per_block)),
+            # An MLA model's latent is the same on every rank: one copy per chunk.
+            replicated=shape is not None and shape.is_mla,
         )
         spec = engine_spec(config)
     except KVTierError as exc:
@@ -99,6 +111,10 @@ def plan_command(args: argparse.Namespace) -> int:
     settings = spec.settings
     geometry = settings.geometry
     plan: dict[str, Any] = {"spec": type(spec).__name__}
+    plan["kv_bytes_per_block"] = kv_bytes_per_block
+    if shape is not None:
+        plan["kv_bytes_per_block_from"] = shape.explain(args.tokens_per_block, args.world_size)
+        plan["replicated"] = config.replicated
     if names_adapter(extra):
         # What vLLM loads, and the keys it reads itself (unchecked here: vLLM's own).
         plan["vllm_spec"] = f"{ADAPTER_MODULE}.{ADAPTER_SPEC}"
@@ -131,6 +147,9 @@ def plan_command(args: argparse.Namespace) -> int:
         "tokens_cached": geometry.num_chunks * geometry.tokens_per_chunk,
     }
     tiers = [_plan_tier(tier) for tier in settings.tiers]
+    for tier_config in settings.tiers:
+        for warning in missing_paths(tier_config):
+            print(f"kvtier: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps({**plan, "tiers": tiers}, indent=2))
         return 0
@@ -145,7 +164,7 @@ def plan_command(args: argparse.Namespace) -> int:
     print(f"{'tiers':<{width}}  {len(tiers) or 'none (the primary tier only)'}")
     for tier in tiers:
         print(f"tier {tier['label']}  {tier['class']} ({tier['locality']})")
-        rows = {key: tier[key] for key in _RUNNER_FIELDS}
+        rows = {key: tier[key] for key in _runner_fields()}
         rows["enable_kv_events"] = tier["enable_kv_events"]
         rows["backpressure"] = tier["backpressure"] or "off"
         if tier["settings"] is not None:
@@ -158,6 +177,85 @@ def plan_command(args: argparse.Namespace) -> int:
         for key, value in rows.items():
             print(f"  {key:<{row_width}}  {_shown(value)}")
     return 0
+
+
+#: The plan's options that describe the model's shape, in the order they are named.
+_SHAPE_OPTIONS = ("layers", "kv_heads", "head_dim", "mla_latent_dim")
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape | None:
+    """The model's shape ``kvtier plan`` was given (None: ``--kv-bytes-per-block``),
+    refusing a mix that would give two answers or none."""
+    given = [name for name in _SHAPE_OPTIONS if getattr(args, name) is not None]
+    shown = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+    if args.kv_bytes_per_block is not None:
+        others = given + (["model_config"] if args.model_config is not None else [])
+        others += ["dtype"] if args.dtype is not None else []
+        if others:
+            named = ", ".join(f"--{name.replace('_', '-')}" for name in others)
+            fail(
+                f"--kv-bytes-per-block and the model's shape ({named}) both size the KV "
+                "cache; give one of them"
+            )
+        return None
+    try:
+        if args.model_config is not None:
+            if given:
+                fail(
+                    f"--model-config gives the model's shape; {shown} would change it: give "
+                    "the file or the shape options, not both"
+                )
+            return ModelShape.from_hf_config(args.model_config, args.dtype)
+        if not given and args.dtype is None:
+            fail(
+                "the KV cache's size is missing: give --kv-bytes-per-block, or the model's "
+                "shape (--model-config, or --layers, --kv-heads, --head-dim and --dtype)"
+            )
+        missing = [name for name in ("layers", "dtype") if getattr(args, name) is None]
+        if args.mla_latent_dim is None:
+            missing += [name for name in ("kv_heads", "head_dim") if getattr(args, name) is None]
+        elif args.kv_heads is not None or args.head_dim is not None:
+            fail(
+                "--mla-latent-dim describes an MLA model's cache, --kv-heads and --head-dim "
+                "another kind: give one or the other"
+            )
+        if missing:
+            named = spoken_list([f"--{name.replace('_', '-')}" for name in missing])
+            fail(f"the model's shape needs {named} too (or give --model-config)")
+        if args.dtype == "auto":
+            fail("--dtype auto means the model's dtype, read from --model-config; name it")
+        return ModelShape(
+            layers=args.layers,
+            dtype=args.dtype,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            latent_dim=args.mla_latent_dim,
+        )
+    except ModelShapeError as exc:
+        fail(str(exc))
+
+
+def missing_paths(tier: TierConfig) -> list[str]:
+    """Warnings for the paths a tier's settings name that this machine lacks: a
+    directory (``*_dir``) whose parent does not exist (the tier creates the directory,
+    never its parents), a file (``*_file``) that does not exist."""
+    settings = tier.settings
+    if not dataclasses.is_dataclass(settings) or isinstance(settings, type):
+        return []
+    warnings = []
+    for field in dataclasses.fields(settings):
+        path = getattr(settings, field.name)
+        if not isinstance(path, Path):
+            continue
+        where = f"{tier.path}.{field.name}"
+        if field.name.endswith("_dir") and not path.exists() and not path.parent.is_dir():
+            warnings.append(
+                f"{where}: {path.parent} does not exist on this machine; the {tier.type_name} "
+                f"tier creates {path.name}, never its parents, so it would fail to start here"
+            )
+        elif field.name.endswith("_file") and not path.is_file():
+            warnings.append(f"{where}: {path} is not a file on this machine")
+    return warnings
 
 
 def _plan_tier(tier: TierConfig) -> dict[str, Any]:
@@ -177,7 +275,11 @@ def _plan_tier(tier: TierConfig) -> dict[str, Any]:
     }
 
 
-_RUNNER_FIELDS = tuple(f.name for f in dataclasses.fields(RunnerSettings))
+def _runner_fields() -> tuple[str, ...]:
+    """The names of a tier's runner settings, in the order the plan lists them."""
+    from kvtier.tiering.runner import RunnerSettings
+
+    return tuple(f.name for f in dataclasses.fields(RunnerSettings))
 
 
 def _jsonable(value: Any) -> Any:

@@ -15,7 +15,6 @@ from kvtier.resources import Resource, aclose_all
 from kvtier.specs.base import OffloadingSpec
 from kvtier.specs.settings import MetricSettings
 from kvtier.tiering.manager import TieringOffloadingManager
-from kvtier.worker.worker import OffloadingWorker
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +22,7 @@ if TYPE_CHECKING:
     from kvtier.tiering.loop import TierLoop
     from kvtier.worker.engines import CopyEngine
     from kvtier.worker.layout import PageMap
+    from kvtier.worker.worker import OffloadingWorker
 
 __all__ = ["CPUOffloadingSpec"]
 
@@ -118,6 +118,10 @@ class CPUOffloadingSpec(OffloadingSpec):
             ValueError: the tensors do not fit the region's column; ``pages`` is given
                 without the canonical layout, or missing with it.
         """
+        # Imported here, with torch: a spec read to check or plan a configuration
+        # (``kvtier plan``) builds no worker and needs no tensor.
+        from kvtier.worker.worker import OffloadingWorker
+
         layout = self.config.layout
         if (pages is not None) != (layout == "canonical"):
             raise ValueError(

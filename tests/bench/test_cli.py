@@ -159,12 +159,23 @@ def test_the_plot_shows_the_secondary_tiers_and_both_hit_rates_legends_beside_th
         labels = {axis.get_title(): axis for axis in figure.axes}
         hit_axis = labels["cold-warm: chunk hit rate"]
         rate_axis = next(axis for title, axis in labels.items() if "throughput" in title)
-        assert [t.get_text() for t in hit_axis.get_legend().get_texts()] == [
-            "per 0.5 s interval", "since the start",
-        ]  # fmt: skip
-        # No flat line for the primary tier, whose bytes are the engine's.
+        legend = [t.get_text() for t in hit_axis.get_legend().get_texts()]
+        assert legend[:2] == ["per 0.5 s interval", "since the start"]
+        # Then one entry for each kind of span shaded (none, in a run without pauses).
+        assert set(legend[2:]) <= {
+            "idle: no request in flight", "stalled: requests in flight, none finished",
+        }  # fmt: skip
+        # No flat line for the primary tier, whose bytes are the engine's; a line for
+        # each disk limit the run measured, at its figure.
+        physical = report["physical"]
         assert [t.get_text() for t in rate_axis.get_legend().get_texts()] == [
             "1:fs in", "1:fs out",
+            f"disk write (raw pwritev) {physical['disk_write_gbps']:g}",
+            f"disk read (raw preadv) {physical['disk_read_gbps']:g}",
+        ]  # fmt: skip
+        limits = [line for line in rate_axis.get_lines() if line.get_label().startswith("disk")]
+        assert [line.get_ydata()[0] for line in limits] == [
+            physical["disk_write_gbps"], physical["disk_read_gbps"],
         ]  # fmt: skip
         figure.canvas.draw()
         for axis in (hit_axis, rate_axis):
@@ -344,7 +355,25 @@ def test_reports_go_to_stdout_and_progress_to_stderr_a_line_per_phase(tmp_path):
     assert re.fullmatch(r"kvtier bench: no-reuse: starting the fs tier \[\d+ s\]", phases[0])
     assert re.fullmatch(r"kvtier bench: no-reuse: replaying \d+ requests \[\d+ s\]", phases[1])
     assert any("requests served" in line for line in phases)
-    assert phases[-2].startswith("kvtier bench: no-reuse: measuring the physical limits")
+    # The limits phase shows each limit, and each pass of the raw disk's, as it starts.
+    limits = [line for line in phases if "measuring the physical limits" in line]
+    assert phases[-1 - len(limits) : -1] == limits
+    assert limits[0].startswith("kvtier bench: no-reuse: measuring the physical limits: memcpy [")
+    assert limits[1].startswith(
+        "kvtier bench: no-reuse: measuring the physical limits: fs (disk write (raw pwritev), "
+        "disk read (raw preadv)) ["
+    )
+    passes = [
+        re.fullmatch(r".*: fs, pass (\d) of (\d), (\d+) threads?: (writing|reading) .*", line)
+        for line in limits[2:]
+    ]
+    assert all(passes), limits[2:]
+    steps = [(int(m[1]), int(m[2]), m[4]) for m in passes if m]
+    count = steps[0][1]
+    assert count >= 2  # one thread, and the fs tier's own depths
+    assert steps == [
+        (n, count, step) for n in range(1, count + 1) for step in ("writing", "reading")
+    ]
     assert phases[-1].startswith("kvtier bench: no-reuse: done (the replay took ")
     assert not any(mark in result.stderr for mark in "┃│━")  # no table, no bar
 
@@ -369,8 +398,9 @@ def test_the_tables_fit_80_columns_without_cutting_a_cell_short(tmp_path):
     # Without a GPU, CPU tensors hold the KV cache, and the rows say so.
     kv = "GPU" if report["settings"]["device"] == "cuda" else "CPU"
     assert f"│ load (primary -> KV on {kv})" in result.stdout
-    assert "0:primary counts more lookups than" in " ".join(lines)
-    assert "kvtier / limit: the tier's GB/s while it moved data" in " ".join(lines)
+    text = " ".join(lines)
+    assert "GB/s: the bytes over the span from the tier's first transfer to its last" in text
+    assert "kvtier / limit: the tier's GB/s over the raw figure measured in this run" in text
 
 
 def test_inspect_of_a_bench_root_or_a_namespace_directory_says_where_to_look(tmp_path):

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,12 +65,20 @@ async def local_s3_server(root: Path) -> AsyncIterator[LocalS3]:
 
 
 async def measure_s3(
-    client: Any, bucket: str, prefix: str, count: int, size: int, concurrency: int
+    client: Any,
+    bucket: str,
+    prefix: str,
+    count: int,
+    size: int,
+    concurrency: int,
+    progress: Callable[[str], None] | None = None,
 ) -> DiskLimits:
     """PUT and GET bandwidth of ``count`` objects of ``size`` bytes, ``concurrency`` at once.
 
     The objects go under ``prefix`` in ``bucket`` and are deleted afterwards.
+    ``progress`` hears each step as it starts.
     """
+    step = progress if progress is not None else (lambda text: None)
     payload = os.urandom(size)
     names = [f"{prefix}/{i:06d}.raw" for i in range(count)]
     gate = asyncio.Semaphore(concurrency)
@@ -90,9 +98,11 @@ async def measure_s3(
         # One object first, alone: a server keeping objects as files (rclone) creates
         # the prefix's directory racily when many first uploads arrive at once.
         await client.put_object(Bucket=bucket, Key=names[0], Body=payload)
+        step(f"putting {count:,} objects")
         started = time.perf_counter()
         await asyncio.gather(*(put(name) for name in names))
         write_s = time.perf_counter() - started
+        step(f"getting {count:,} objects back")
         started = time.perf_counter()
         await asyncio.gather(*(get(name) for name in names))
         read_s = time.perf_counter() - started
@@ -133,6 +143,7 @@ async def _plain_s3_client(tier: SecondaryTier, run: LimitContext) -> dict[Direc
             run.chunks(moved, 512 * MIB),
             HEADER_BYTES + run.chunk_bytes,
             tier.max_concurrency,
+            run.progress,
         )
     return {Direction.WRITE: limits.write_gbps, Direction.READ: limits.read_gbps}
 
