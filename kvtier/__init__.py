@@ -10,8 +10,9 @@ the region and the tiering manager need.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvtier._lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvtier.config import OffloadingConfig
@@ -110,15 +111,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    # Cached in the package's namespace: later uses are plain attribute reads.
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, __all__)

@@ -10,8 +10,9 @@ replay, and with it torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvtier._lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvtier.bench.registry import (
@@ -62,15 +63,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'kvtier.bench' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    # Cached in the package's namespace: later uses are plain attribute reads.
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, __all__)
