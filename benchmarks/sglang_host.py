@@ -25,9 +25,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from queue import Empty
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kvtier.integrations.sglang import PageStore
 
 # SGLang warns at import about GPU-only features (AWQ, GGUF) it cannot use here.
 with warnings.catch_warnings():
@@ -135,6 +138,25 @@ def configure_process(
 def kvtier_extra_config(kvtier: Mapping[str, Any], *, zero_copy: bool = True) -> dict[str, Any]:
     """SGLang's storage extra config that loads kvtier with these kvtier settings."""
     return {**KVTIER_BACKEND, "interface_v1": int(zero_copy), "kvtier": dict(kvtier)}
+
+
+def open_host(
+    hosts: list[HiCacheHost], kvtier: Mapping[str, Any], *, zero_copy: bool = True, **kwargs: Any
+) -> HiCacheHost:
+    """A host whose backend is kvtier with these settings (:func:`kvtier_extra_config`),
+    appended to ``hosts``, whose owner closes it; ``kwargs`` go to :class:`HiCacheHost`."""
+    host = HiCacheHost("dynamic", kvtier_extra_config(kvtier, zero_copy=zero_copy), **kwargs)
+    hosts.append(host)
+    return host
+
+
+def store_of(host: HiCacheHost) -> PageStore:
+    """The kvtier ``PageStore`` behind a host opened by :func:`open_host`."""
+    from kvtier.integrations.sglang import PageStore
+
+    store = host.backend.page_store
+    assert isinstance(store, PageStore)
+    return store
 
 
 def page_contents(page_hash: str, geometry: Geometry, salt: str = "") -> torch.Tensor:

@@ -10,19 +10,12 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
-from sglang_host import Geometry, HiCacheHost, kvtier_extra_config, page_contents
+from sglang_host import Geometry, HiCacheHost, kvtier_extra_config, open_host, page_contents
 from sglang_procs import MIB, fs_config
 
 from kvtier import ConfigError
 from kvtier.hosts import Step, step_until_blocking
 from kvtier.integrations.sglang import KVTierHiCacheStorage, UnsupportedPoolError
-
-
-def open_host(hosts: list[HiCacheHost], kvtier: dict[str, Any], **kwargs: Any) -> HiCacheHost:
-    zero_copy = kwargs.pop("zero_copy", True)
-    host = HiCacheHost("dynamic", kvtier_extra_config(kvtier, zero_copy=zero_copy), **kwargs)
-    hosts.append(host)
-    return host
 
 
 def storage_config(kvtier: dict[str, Any], **fields: Any) -> HiCacheStorageConfig:

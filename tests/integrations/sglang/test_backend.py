@@ -4,27 +4,11 @@ byte-exact through the prefetch threads, on both of SGLang's storage interfaces.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from sglang_host import Geometry, HiCacheHost, kvtier_extra_config
+from sglang_host import Geometry, open_host, store_of
 from sglang_procs import MIB, fs_config
-
-from kvtier.integrations.sglang import PageStore
-
-
-def open_host(hosts: list[HiCacheHost], kvtier: dict[str, Any], **kwargs: Any) -> HiCacheHost:
-    zero_copy = kwargs.pop("zero_copy", True)
-    host = HiCacheHost("dynamic", kvtier_extra_config(kvtier, zero_copy=zero_copy), **kwargs)
-    hosts.append(host)
-    return host
-
-
-def store_of(host: HiCacheHost) -> PageStore:
-    store = host.backend.page_store
-    assert isinstance(store, PageStore)
-    return store
 
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "generic"])

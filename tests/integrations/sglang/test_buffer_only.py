@@ -8,24 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sglang_host import Geometry, HiCacheHost, kvtier_extra_config
+from sglang_host import Geometry, HiCacheHost, store_of
+from sglang_host import open_host as open_any_host
 from sglang_procs import MIB, fs_config
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.sglang import PageStore
 
 
 def open_host(hosts: list[HiCacheHost], kvtier: dict[str, Any], **kwargs: Any) -> HiCacheHost:
-    extra = kvtier_extra_config(kvtier, zero_copy=kwargs.pop("zero_copy", True))
-    host = HiCacheHost("dynamic", extra, host_memory_mode="buffer_only", **kwargs)
-    hosts.append(host)
-    return host
-
-
-def store_of(host: HiCacheHost) -> PageStore:
-    store = host.backend.page_store
-    assert isinstance(store, PageStore)
-    return store
+    return open_any_host(hosts, kvtier, host_memory_mode="buffer_only", **kwargs)
 
 
 def row(geometry: Geometry) -> int:

@@ -11,30 +11,18 @@ from typing import Any
 
 import sglang_procs
 from s3_servers import ACCESS_KEY, SECRET_KEY, MotoServer, free_port
-from sglang_host import HiCacheHost, kvtier_extra_config
+from sglang_host import HiCacheHost, open_host, store_of
 from sglang_procs import MIB, PREFETCH_TIMEOUTS, fs_config
 
 from kvtier.format import chunk_path
-from kvtier.integrations.sglang import PageStore, page_key
+from kvtier.integrations.sglang import page_key
 
 P2P_SECRET = "kvtier-sglang-test-secret-0123456789"
-
-
-def open_host(hosts: list[HiCacheHost], kvtier: dict[str, Any], **kwargs: Any) -> HiCacheHost:
-    host = HiCacheHost("dynamic", kvtier_extra_config(kvtier), **kwargs)
-    hosts.append(host)
-    return host
 
 
 def close_host(hosts: list[HiCacheHost], host: HiCacheHost) -> None:
     host.close()
     hosts.remove(host)
-
-
-def store_of(host: HiCacheHost) -> PageStore:
-    store = host.backend.page_store
-    assert isinstance(store, PageStore)
-    return store
 
 
 def round_trip_through_tier(host: HiCacheHost, tokens: list[int], tier: str) -> None:
