@@ -1,15 +1,20 @@
 """GPU <-> primary copies on dedicated CUDA streams.
 
 A store job gathers its GPU blocks into one device staging buffer laid out exactly like
-the destination columns (one small kernel per KV tensor), then moves it to the region
+the destination columns (one kernel for every KV tensor), then moves it to the region
 with one device-to-host copy per slot (one per run of adjacent slots when the columns
-of adjacent rows touch). A load does the reverse. Per-job cost is therefore a few
-kernel launches per KV tensor plus one DMA per slot, instead of one DMA per tensor per
-block, and each DMA is a whole column: the size at which PCIe runs at full speed.
+of adjacent rows touch). A load does the reverse. Per-job cost is therefore one kernel
+launch plus one DMA per slot, instead of one DMA per tensor per block, and each DMA is
+a whole column: the size at which PCIe runs at full speed.
 
 The region is registered with the driver as pinned host memory so the DMAs are truly
 asynchronous; if registration fails (a locked-memory limit, an old driver) copies still
 work from pageable memory, more slowly, and a warning says so once.
+
+The gather or scatter is one Triton kernel per job where it applies
+(:mod:`kvtier.worker.gather`), else one or two torch operators per KV tensor, whose
+issuing costs more CPU time than the DMA takes; ``KVTIER_CUDA_GATHER=torch`` in the
+environment chooses the operators always (to compare the two).
 
 A canonical layout's rank writes fragments of pages other ranks write too, so its
 bytes cannot reach the region in whole-column DMAs. A store gathers the job's blocks on
@@ -22,6 +27,7 @@ thread into a bounce buffer, then moves it to the GPU in one DMA. The host threa
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -36,6 +42,7 @@ from kvtier.worker.engines import (
     gather_pages,
     scatter_pages,
 )
+from kvtier.worker.gather import GroupTable
 from kvtier.worker.layout import ColumnLayout
 
 __all__ = ["CudaCopyEngine"]
@@ -88,8 +95,19 @@ class CudaCopyEngine(CopyEngine):
         self._load_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         # Adjacent rows' columns touch only when a row is exactly one column wide.
         self._rows_adjacent = layout.column.stride(0) == layout.column_bytes
+        #: Per group, the gather kernel's table (None: one operator per tensor).
+        self._tables: list[GroupTable | None] = [None] * len(layout.groups)
+        if not layout.canonical and os.environ.get("KVTIER_CUDA_GATHER") != "torch":
+            self._tables = [
+                GroupTable.build(parts, layout.column_bytes, device) for parts in layout.groups
+            ]
         if self._register:
             self._pin_region()
+
+    @property
+    def gather_kernel(self) -> bool:
+        """Whether every group's copies gather and scatter with one kernel per job."""
+        return all(table is not None for table in self._tables)
 
     def store(
         self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, group: int = 0
@@ -110,10 +128,14 @@ class CudaCopyEngine(CopyEngine):
             # zeros there, not whatever the allocator's block held before.
             new = torch.empty if len(parts) == len(layout.slices) else torch.zeros
             staging = new((n, layout.column_bytes), dtype=torch.uint8, device=self._device)
-            for part in parts:
-                span = part.block_bytes * bpc
-                gathered = part.blocks.index_select(0, ids).view(n, span)
-                staging[:, part.offset : part.offset + span].copy_(gathered)
+            table = self._tables[group]
+            if table is not None:
+                table.gather(ids, staging, bpc)
+            else:
+                for part in parts:
+                    span = part.block_bytes * bpc
+                    gathered = part.blocks.index_select(0, ids).view(n, span)
+                    staging[:, part.offset : part.offset + span].copy_(gathered)
             for first, count, slot in self._runs(chunk_ids):
                 layout.column[slot : slot + count].copy_(
                     staging[first : first + count], non_blocking=True
@@ -139,12 +161,16 @@ class CudaCopyEngine(CopyEngine):
                 staging[first : first + count].copy_(
                     layout.column[slot : slot + count], non_blocking=True
                 )
-            for part in layout.groups[group]:
-                span = part.block_bytes * bpc
-                blocks = staging[:, part.offset : part.offset + span].reshape(
-                    n * bpc, part.block_bytes
-                )
-                part.blocks.index_copy_(0, ids, blocks)
+            table = self._tables[group]
+            if table is not None:
+                table.scatter(staging, ids, bpc)
+            else:
+                for part in layout.groups[group]:
+                    span = part.block_bytes * bpc
+                    blocks = staging[:, part.offset : part.offset + span].reshape(
+                        n * bpc, part.block_bytes
+                    )
+                    part.blocks.index_copy_(0, ids, blocks)
             return _CudaEvent(LOAD, stream, (staging, ids, gpu_block_ids, chunk_ids))
 
     def _store_pages(
