@@ -402,17 +402,29 @@ def fleet_section(root: str | None, quick: bool) -> tuple[str, str]:
 def gpu_section(root: str | None, quick: bool) -> tuple[str, str]:
     command = [sys.executable, str(HERE / "gpu_copy.py")]
     r = run_json(command)
+    in_flight = int(r["in_flight"])
     rows = [
         [
             TODAY,
             r["device_name"],
-            f"{r['store_gbps']:.2f}",
-            f"{r['load_gbps']:.2f}",
+            "one kernel" if r["gather_kernel"] else "an operator per tensor",
+            f"{r['store_gbps']:.2f} / {r['store_in_flight_gbps']:.2f}",
+            f"{r['load_gbps']:.2f} / {r['load_in_flight_gbps']:.2f}",
             f"{r['raw_d2h_gbps']:.2f} / {r['raw_h2d_gbps']:.2f}",
-            f"{r['store_ratio']:.2f} / {r['load_ratio']:.2f}",
+            f"{r['store_ratio']:.2f} / {r['store_in_flight_ratio']:.2f}",
+            f"{r['load_ratio']:.2f} / {r['load_in_flight_ratio']:.2f}",
         ]
     ]
-    header = ["date", "device", "store GB/s", "load GB/s", "raw D2H / H2D GB/s", "ratios"]
+    header = [
+        "date",
+        "device",
+        "gather",
+        f"store GB/s (1 / {in_flight} in flight)",
+        f"load GB/s (1 / {in_flight} in flight)",
+        "raw D2H / H2D GB/s",
+        "store ratios",
+        "load ratios",
+    ]
     return "gpu-copy", f"Command: `{display(command)}`\n\n" + table(header, rows)
 
 
