@@ -87,17 +87,19 @@ class GroupTable:
     ) -> None:
         words = staging.view(torch.int64)
         grid = (self._parts, ids.numel(), self._pieces)
-        kernel[grid](
-            self._addresses,
-            self._row_words,
-            self._offsets,
-            self._block_words,
-            ids,
-            words,
-            words.shape[1],
-            blocks_per_chunk,
-            PIECE=_PIECE,
-        )
+        # Triton launches on the current device: the tensors' own, whatever the caller's.
+        with torch.cuda.device(words.device):
+            kernel[grid](
+                self._addresses,
+                self._row_words,
+                self._offsets,
+                self._block_words,
+                ids,
+                words,
+                words.shape[1],
+                blocks_per_chunk,
+                PIECE=_PIECE,
+            )
 
 
 if HAVE_TRITON:
