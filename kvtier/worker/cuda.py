@@ -96,10 +96,18 @@ class CudaCopyEngine(CopyEngine):
         # Adjacent rows' columns touch only when a row is exactly one column wide.
         self._rows_adjacent = layout.column.stride(0) == layout.column_bytes
         #: Per group, the gather kernel's table (None: one operator per tensor).
+        #: A canonical layout's are for its bounce buffers: a block of each tensor a row.
         self._tables: list[GroupTable | None] = [None] * len(layout.groups)
-        if not layout.canonical and os.environ.get("KVTIER_CUDA_GATHER") != "torch":
+        if os.environ.get("KVTIER_CUDA_GATHER") != "torch":
+            widths = layout.group_block_bytes if layout.canonical else None
             self._tables = [
-                GroupTable.build(parts, layout.column_bytes, device) for parts in layout.groups
+                GroupTable.build(
+                    parts,
+                    layout.column_bytes if widths is None else widths[group],
+                    device,
+                    packed=layout.canonical,
+                )
+                for group, parts in enumerate(layout.groups)
             ]
         if self._register:
             self._pin_region()
@@ -191,12 +199,16 @@ class CudaCopyEngine(CopyEngine):
             stream.wait_stream(producer)
             ids = gpu_block_ids.to(self._device, non_blocking=True)
             staging = torch.empty(bounce.shape, dtype=torch.uint8, device=self._device)
-            offset = 0
-            for part in parts:
-                staging[:, offset : offset + part.block_bytes].copy_(
-                    part.blocks.index_select(0, ids)
-                )
-                offset += part.block_bytes
+            table = self._tables[group]
+            if table is not None:
+                table.gather(ids, staging, 1)
+            else:
+                offset = 0
+                for part in parts:
+                    staging[:, offset : offset + part.block_bytes].copy_(
+                        part.blocks.index_select(0, ids)
+                    )
+                    offset += part.block_bytes
             bounce.copy_(staging, non_blocking=True)
             copied = _CudaEvent(STORE, stream, (staging, ids, gpu_block_ids))
         slots: list[int] = chunk_ids.tolist()
@@ -233,10 +245,15 @@ class CudaCopyEngine(CopyEngine):
                 stream.wait_event(ready)
                 ids = gpu_block_ids.to(device, non_blocking=True)
                 staging = bounce.to(device, non_blocking=True)
-                offset = 0
-                for part in parts:
-                    part.blocks.index_copy_(0, ids, staging[:, offset : offset + part.block_bytes])
-                    offset += part.block_bytes
+                table = self._tables[group]
+                if table is not None:
+                    table.scatter(staging, ids, 1)
+                else:
+                    offset = 0
+                    for part in parts:
+                        rows_of_part = staging[:, offset : offset + part.block_bytes]
+                        part.blocks.index_copy_(0, ids, rows_of_part)
+                        offset += part.block_bytes
                 done = _CudaEvent(LOAD, stream, (staging, ids, bounce))
             done.synchronize()
 

@@ -41,14 +41,16 @@ _PIECE = 2048
 class GroupTable:
     """The addresses and geometry of one KV-cache group's tensors, on the device."""
 
-    def __init__(self, parts: Sequence[TensorSlice], device: torch.device) -> None:
+    def __init__(
+        self, parts: Sequence[TensorSlice], offsets: Sequence[int], device: torch.device
+    ) -> None:
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         self._parts = len(parts)
         self._addresses = column([part.blocks.data_ptr() for part in parts])
         self._row_words = column([part.blocks.stride(0) // WORD for part in parts])
-        self._offsets = column([part.offset // WORD for part in parts])
+        self._offsets = column([offset // WORD for offset in offsets])
         self._block_words = column([part.block_bytes // WORD for part in parts])
         self._pieces = -(-max(part.block_bytes // WORD for part in parts) // _PIECE)
         # The tensors must outlive the table that points into them.
@@ -56,22 +58,34 @@ class GroupTable:
 
     @staticmethod
     def build(
-        parts: Sequence[TensorSlice], column_bytes: int, device: torch.device
+        parts: Sequence[TensorSlice],
+        column_bytes: int,
+        device: torch.device,
+        *,
+        packed: bool = False,
     ) -> GroupTable | None:
-        """A table for ``parts``, or None where the kernel does not apply."""
+        """A table for ``parts``, or None where the kernel does not apply.
+
+        A staging row is ``column_bytes`` wide and holds each tensor's blocks at its
+        offset in the region's column, or, ``packed``, one block of each tensor back to
+        back (a canonical layout's bounce buffer, whose rows are blocks).
+        """
+        offsets = [part.offset for part in parts]
+        if packed:
+            offsets = [sum(part.block_bytes for part in parts[:i]) for i in range(len(parts))]
         if not HAVE_TRITON or column_bytes % WORD:
             return None
-        for part in parts:
+        for part, offset in zip(parts, offsets, strict=True):
             blocks = part.blocks
             if (
                 blocks.stride(1) != 1
                 or blocks.data_ptr() % WORD
                 or blocks.stride(0) % WORD
                 or part.block_bytes % WORD
-                or part.offset % WORD
+                or offset % WORD
             ):
                 return None
-        return GroupTable(parts, device)
+        return GroupTable(parts, offsets, device)
 
     def gather(self, ids: torch.Tensor, staging: torch.Tensor, blocks_per_chunk: int) -> None:
         """Copy the blocks ``ids`` names (on the device, a chunk's blocks in order) into

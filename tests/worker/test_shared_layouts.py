@@ -300,9 +300,13 @@ def test_a_bounce_buffer_scatters_only_the_pages_its_rank_is_dealt(engine_id):
 
 @pytest.mark.cuda
 @pytest.mark.anyio
-async def test_gpu_ranks_scatter_their_heads_into_canonical_pages(engine_id):
+@pytest.mark.parametrize("gather", ["kernel", "torch"])
+async def test_gpu_ranks_scatter_their_heads_into_canonical_pages(engine_id, monkeypatch, gather):
     # Two ranks, each with half the heads on the GPU, fill one canonical page through
-    # their bounce buffers; each loads back exactly its heads.
+    # their bounce buffers (gathered by the kernel, or forced, an operator per tensor);
+    # each loads back exactly its heads.
+    if gather == "torch":
+        monkeypatch.setenv("KVTIER_CUDA_GATHER", "torch")
     from kvtier.worker.cuda import CudaCopyEngine
 
     kv = full_kv(7)
@@ -317,6 +321,7 @@ async def test_gpu_ranks_scatter_their_heads_into_canonical_pages(engine_id):
     try:
         for worker in workers:
             assert isinstance(worker.engine, CudaCopyEngine)
+            assert worker.engine.gather_kernel == (gather == "kernel")
             assert (await worker.store([5, 2], [3])).success
         row = bytes(manager.region.primary_view[3])
         assert row[: 2 * kv[0].nbytes] == kv[5].numpy().tobytes() + kv[2].numpy().tobytes()
