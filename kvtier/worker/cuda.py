@@ -42,7 +42,7 @@ from kvtier.worker.engines import (
     gather_pages,
     scatter_pages,
 )
-from kvtier.worker.gather import GroupTable
+from kvtier.worker.gather import KernelGather, OperatorGather, block_gather
 from kvtier.worker.layout import ColumnLayout
 
 __all__ = ["CudaCopyEngine"]
@@ -95,27 +95,27 @@ class CudaCopyEngine(CopyEngine):
         self._load_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         # Adjacent rows' columns touch only when a row is exactly one column wide.
         self._rows_adjacent = layout.column.stride(0) == layout.column_bytes
-        #: Per group, the gather kernel's table (None: one operator per tensor).
-        #: A canonical layout's are for its bounce buffers: a block of each tensor a row.
-        self._tables: list[GroupTable | None] = [None] * len(layout.groups)
-        if os.environ.get("KVTIER_CUDA_GATHER") != "torch":
-            widths = layout.group_block_bytes if layout.canonical else None
-            self._tables = [
-                GroupTable.build(
-                    parts,
-                    layout.column_bytes if widths is None else widths[group],
-                    device,
-                    packed=layout.canonical,
-                )
-                for group, parts in enumerate(layout.groups)
-            ]
+        #: Per group, how blocks move to and from staging (a canonical layout's are its
+        #: bounce buffers: a block of each tensor a row).
+        widths = layout.group_block_bytes if layout.canonical else None
+        kernel = os.environ.get("KVTIER_CUDA_GATHER") != "torch"
+        self._gathers: list[KernelGather | OperatorGather] = [
+            block_gather(
+                parts,
+                layout.column_bytes if widths is None else widths[group],
+                device,
+                packed=layout.canonical,
+                kernel=kernel,
+            )
+            for group, parts in enumerate(layout.groups)
+        ]
         if self._register:
             self._pin_region()
 
     @property
     def gather_kernel(self) -> bool:
         """Whether every group's copies gather and scatter with one kernel per job."""
-        return all(table is not None for table in self._tables)
+        return all(gather.kernel for gather in self._gathers)
 
     def store(
         self, gpu_block_ids: torch.Tensor, chunk_ids: torch.Tensor, group: int = 0
@@ -136,14 +136,7 @@ class CudaCopyEngine(CopyEngine):
             # zeros there, not whatever the allocator's block held before.
             new = torch.empty if len(parts) == len(layout.slices) else torch.zeros
             staging = new((n, layout.column_bytes), dtype=torch.uint8, device=self._device)
-            table = self._tables[group]
-            if table is not None:
-                table.gather(ids, staging, bpc)
-            else:
-                for part in parts:
-                    span = part.block_bytes * bpc
-                    gathered = part.blocks.index_select(0, ids).view(n, span)
-                    staging[:, part.offset : part.offset + span].copy_(gathered)
+            self._gathers[group].gather(ids, staging, bpc)
             for first, count, slot in self._runs(chunk_ids):
                 layout.column[slot : slot + count].copy_(
                     staging[first : first + count], non_blocking=True
@@ -169,16 +162,7 @@ class CudaCopyEngine(CopyEngine):
                 staging[first : first + count].copy_(
                     layout.column[slot : slot + count], non_blocking=True
                 )
-            table = self._tables[group]
-            if table is not None:
-                table.scatter(staging, ids, bpc)
-            else:
-                for part in layout.groups[group]:
-                    span = part.block_bytes * bpc
-                    blocks = staging[:, part.offset : part.offset + span].reshape(
-                        n * bpc, part.block_bytes
-                    )
-                    part.blocks.index_copy_(0, ids, blocks)
+            self._gathers[group].scatter(staging, ids, bpc)
             return _CudaEvent(LOAD, stream, (staging, ids, gpu_block_ids, chunk_ids))
 
     def _store_pages(
@@ -188,7 +172,6 @@ class CudaCopyEngine(CopyEngine):
         buffer, then the host thread scatters the fragments once the DMA is done."""
         assert self._host is not None
         layout = self.layout
-        parts = layout.groups[group]
         producer = torch.cuda.current_stream(self._device)
         stream = self._store_stream
         rows = gpu_block_ids.numel()
@@ -199,16 +182,7 @@ class CudaCopyEngine(CopyEngine):
             stream.wait_stream(producer)
             ids = gpu_block_ids.to(self._device, non_blocking=True)
             staging = torch.empty(bounce.shape, dtype=torch.uint8, device=self._device)
-            table = self._tables[group]
-            if table is not None:
-                table.gather(ids, staging, 1)
-            else:
-                offset = 0
-                for part in parts:
-                    staging[:, offset : offset + part.block_bytes].copy_(
-                        part.blocks.index_select(0, ids)
-                    )
-                    offset += part.block_bytes
+            self._gathers[group].gather(ids, staging, 1)
             bounce.copy_(staging, non_blocking=True)
             copied = _CudaEvent(STORE, stream, (staging, ids, gpu_block_ids))
         slots: list[int] = chunk_ids.tolist()
@@ -226,7 +200,6 @@ class CudaCopyEngine(CopyEngine):
         pinned bounce buffer, then moves it to the GPU in one DMA and waits for it."""
         assert self._host is not None
         layout = self.layout
-        parts = layout.groups[group]
         # The target blocks may still be read by work already on the compute stream:
         # mark where it stands now, for the load stream to wait on later.
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -245,15 +218,7 @@ class CudaCopyEngine(CopyEngine):
                 stream.wait_event(ready)
                 ids = gpu_block_ids.to(device, non_blocking=True)
                 staging = bounce.to(device, non_blocking=True)
-                table = self._tables[group]
-                if table is not None:
-                    table.scatter(staging, ids, 1)
-                else:
-                    offset = 0
-                    for part in parts:
-                        rows_of_part = staging[:, offset : offset + part.block_bytes]
-                        part.blocks.index_copy_(0, ids, rows_of_part)
-                        offset += part.block_bytes
+                self._gathers[group].scatter(staging, ids, 1)
                 done = _CudaEvent(LOAD, stream, (staging, ids, bounce))
             done.synchronize()
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
+from helpers import make_config
 
 from kvtier import KVTier, OffloadingSpecFactory, prefix_keys
 from kvtier.paged import PagedKVLayout
+from kvtier.worker.gather import block_gather
 
 LAYOUT = PagedKVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 BLOCKS = 24
@@ -130,3 +134,44 @@ def test_a_vllm_layer_whose_blocks_are_not_contiguous_is_refused(engine_id):
             spec.create_worker(strided)
     finally:
         spec.shutdown()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["columns", "packed"])
+def test_the_operator_gather_lays_blocks_out_as_the_staging_row_says_and_back(engine_id, packed):
+    # The CUDA engine's gather without its kernel (it runs on any device): a chunk's
+    # blocks at each tensor's offset in the column, or one block of each tensor a row.
+    generator = torch.Generator().manual_seed(5)
+    tensors = [
+        torch.randint(0, 256, (2, 16, size), dtype=torch.uint8, generator=generator)
+        for size in (64, 32)
+    ]
+    spec = OffloadingSpecFactory.create_spec(
+        make_config(engine_id, kv_bytes_per_block=2 * (64 + 32), block_size=32)
+    )
+    spec.get_manager()
+    worker = spec.create_worker(tensors)
+    try:
+        layout = worker.layout
+        parts = layout.groups[0]
+        bpc = 1 if packed else layout.blocks_per_chunk
+        width = layout.group_block_bytes[0] if packed else layout.column_bytes
+        gather = block_gather(parts, width, torch.device("cpu"), packed=packed, kernel=False)
+        assert not gather.kernel
+        ids = torch.tensor([5, 2, 9, 7])
+        staging = torch.zeros((len(ids) // bpc, width), dtype=torch.uint8)
+        gather.gather(ids, staging, bpc)
+        rows = [ids[i : i + bpc].tolist() for i in range(0, len(ids), bpc)]
+        for row, blocks in zip(staging, rows, strict=True):
+            expected = b"".join(
+                part.blocks[block].numpy().tobytes() for part in parts for block in blocks
+            )
+            assert row.numpy().tobytes()[: len(expected)] == expected
+        back = [tensor.clone() for tensor in tensors]
+        for part in parts:
+            part.blocks[[0, 1, 3, 4]] = 0
+        gather.scatter(staging, torch.tensor([0, 1, 3, 4]), bpc)
+        for tensor, original in zip(tensors, back, strict=True):
+            assert torch.equal(tensor[:, [0, 1, 3, 4]], original[:, [5, 2, 9, 7]])
+    finally:
+        asyncio.run(worker.aclose())
+        asyncio.run(spec.aclose())
