@@ -26,6 +26,7 @@ import torch
 import xxhash
 
 from kvtier import ConfigError, LookupResult, ReqContext, TieringOffloadingManager
+from kvtier.bench.busy import BusyHost
 from kvtier.bench.physical import DiskLimits, drop_page_cache, measure_disk
 from kvtier.bench.probe import LagProbe, percentile
 from kvtier.bench.tiers import raw_disk_depths
@@ -189,6 +190,18 @@ def workload_parser(description: str) -> argparse.ArgumentParser:
         "wherever the tier writes with it, either way)",
     )
     parser.add_argument(
+        "--busy-host",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="threads of this process run Python (holding the GIL) for this share of one "
+        "core during the stores and promotions, as a serving engine's scheduler and "
+        "workers do (0.5: half a core); 0 (the default): a quiet host",
+    )
+    parser.add_argument(
+        "--busy-threads", type=int, default=2, help="threads the busy host's share is spread over"
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="small sizes, a few seconds, the page cache left alone (a smoke test)",
@@ -206,9 +219,11 @@ def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     for name in ("gib", "primary_gib", "chunk_mib", "idle_ms"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    for name in ("job_chunks", "in_flight"):
+    for name in ("job_chunks", "in_flight", "busy_threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.busy_host <= args.busy_threads:
+        parser.error("--busy-host must be between 0 and --busy-threads (one core a thread)")
 
 
 def run_in_scratch(
@@ -395,8 +410,12 @@ class PathRun:
     ) -> None:
         self.args, self.fs, self.page_cache, self.device = args, fs, page_cache, device
         self.probe = LagProbe()
+        self.busy = BusyHost(args.busy_host, args.busy_threads)
         self.seconds: dict[str, float] = {}
+        #: The process's CPU seconds in each phase, the busy host's threads' taken out.
         self.cpu_s: dict[str, float] = {}
+        #: The share of one core the busy host's threads took in each phase.
+        self.busy_share: dict[str, float] = {}
         self.fs_stats: dict[str, float] = {}
         self.job_times: list[float] = []
         self._raw_before: DiskLimits | None = None
@@ -413,15 +432,18 @@ class PathRun:
         on_loop(manager, start_probe)
 
     def phase(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, timed as phase ``name`` (``store`` or ``load``)."""
+        """``fn(*args)``, timed as phase ``name`` (``store`` or ``load``), with the busy
+        host's threads running beside it (none on a quiet host)."""
         cpu, started = time.process_time(), time.perf_counter()
         self.probe.phase = name
+        self.busy.start()
         try:
             return fn(*args)
         finally:
+            self.busy_share[name] = self.busy.stop()
             self.probe.phase = None
             self.seconds[name] = time.perf_counter() - started
-            self.cpu_s[name] = time.process_time() - cpu
+            self.cpu_s[name] = time.process_time() - cpu - self.busy.cpu_s
 
     def end(self, manager: TieringOffloadingManager) -> None:
         on_loop(manager, self.probe.stop)
@@ -456,6 +478,9 @@ class PathRun:
             "loop_lag_p99_ms": percentile(both, 0.99) * 1e3,
             **raw,
             "page_cache": self.page_cache,
+            "busy_host": args.busy_host,
+            "busy_share_store": self.busy_share["store"],
+            "busy_share_load": self.busy_share["load"],
             "raw_write_o_direct": fs.direct_write,
             "loop_lag_p50_ms": percentile(both, 0.5) * 1e3,
             "loop_lag_store_p99_ms": percentile(lags.get("store", []), 0.99) * 1e3,
@@ -496,6 +521,12 @@ def print_path_summary(figures: dict[str, Any]) -> None:
         f"jobs; a request's wait for its chunks p50 {figures['request_wait_p50_ms']:.1f} ms, "
         f"p99 {figures['request_wait_p99_ms']:.1f} ms"
     )
+    if figures["busy_host"]:
+        print(
+            f"  busy host: Python threads took {figures['busy_share_store']:.2f} of a core "
+            f"while storing, {figures['busy_share_load']:.2f} while promoting (asked "
+            f"{figures['busy_host']:g}); their CPU is not counted below"
+        )
     print(
         f"  loop lag p50 {figures['loop_lag_p50_ms']:.2f} ms, p99 "
         f"{figures['loop_lag_p99_ms']:.2f} ms; CPU {figures['store_cpu_s']:.1f} s storing, "

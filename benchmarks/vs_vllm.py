@@ -48,10 +48,22 @@ at the start and the end) do not see alike; against this read, a promotion ratio
 1 would mean the tier beat the disk itself (``<side>_promotion_own_ratio``, the median
 of the runs' ratios, and ``<side>_own_files_read_gbps``).
 
+A busy host (``--busy-host SHARE``): a serving engine's scheduler and worker threads run
+Python in the same process as its offloading backend and hold the GIL while they do,
+which an idle benchmark process hides. With ``--busy-host 0.5``, ``--busy-threads``
+threads (:class:`kvtier.bench.busy.BusyHost`) run pure Python for half of one core
+between them, in 10 ms turns, throughout each side's stores and promotions, the same
+for both sides; their measured share is reported (``<side>_busy_share_store`` /
+``_load``) and their CPU time is taken out of the CPU figures.
+
 CPU time is the whole process's (``getrusage``, every thread) over a phase, per GiB
 stored or promoted; it includes the worker thread's copies and checks, the same work
-for both. The loop lag is kvtier's (an event-loop probe on its tier loop, every
-:data:`PROBE_INTERVAL_S`); vLLM has no event loop.
+for both. kvtier's fs tier also takes a checksum of every chunk it writes, which vLLM's
+does not: ``checksum_cpu_s_per_gib`` is that pass alone
+(:func:`kvtier.bench.physical.measure_checksum`, on bytes out of the CPU's caches), and
+``store_cpu_s_per_gib_allowed`` vLLM's CPU per GiB stored plus it. The loop lag is
+kvtier's (an event-loop probe on its tier loop, every :data:`PROBE_INTERVAL_S`); vLLM
+has no event loop.
 
 The page cache is dropped before each phase where this process may; elsewhere every
 file under the tier's directory is evicted with ``posix_fadvise(DONTNEED)``. vLLM's fs
@@ -71,6 +83,7 @@ other reports to print), and each run's figures under ``vllm_runs`` /
 ``kvtier_runs``.
 
     .nox/vllm/bin/python benchmarks/vs_vllm.py --root /path/on/the/disk/to/measure
+    .nox/vllm/bin/python benchmarks/vs_vllm.py --root /path --busy-host 0.5   # a busy host
     .nox/vllm/bin/python benchmarks/vs_vllm.py --quick     # small sizes; seconds after
                                                            # importing vLLM
 """
@@ -108,6 +121,7 @@ from serving_path import Copy, CopyThread, Scheduler, Waiting
 from vllm_offline import offloading_config
 
 from kvtier.bench import physical
+from kvtier.bench.busy import BusyHost
 from kvtier.format import HEADER_BYTES
 from kvtier.records import TransferResult
 
@@ -176,6 +190,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="drop the whole page cache before each phase (falls back to fadvise where "
         "not permitted), or evict the tier's files only",
     )
+    parser.add_argument(
+        "--busy-host",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="a busy host: threads of this process run Python (holding the GIL) for this "
+        "share of one core during the stores and promotions, as an engine's scheduler and "
+        "workers do (0.5: half a core); the same for both sides. 0 (the default): quiet",
+    )
+    parser.add_argument(
+        "--busy-threads", type=int, default=2, help="threads the busy host's share is spread over"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON here")
     parser.add_argument(
         "--tier-option",
@@ -206,9 +232,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("data_gib", "primary_gib", "chunk_mib", "idle_ms", "timeout_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    for name in ("job_chunks", "in_flight", "runs", "raw_threads", "lookups", "store_cycles"):
+    for name in (
+        "job_chunks",
+        "in_flight",
+        "runs",
+        "raw_threads",
+        "lookups",
+        "store_cycles",
+        "busy_threads",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.busy_host <= args.busy_threads:
+        parser.error("--busy-host must be between 0 and --busy-threads (one core a thread)")
     chunk = int(args.chunk_mib * common.MIB)
     if chunk % 4096:
         parser.error("--chunk-mib must be a whole number of 4 KiB pages")
@@ -649,22 +685,28 @@ def thread_kind(name: str) -> str:
 @dataclass
 class Phase:
     seconds: float
+    #: The process's CPU seconds, the busy host's threads' taken out.
     cpu_s: float
     #: CPU seconds by kind of thread (its name, pool index dropped); ``exited``: threads
     #: that ended during the phase.
     cpu_by_thread: dict[str, float]
+    #: The share of one core the busy host's threads took (0 on a quiet host).
+    busy_share: float = 0.0
 
 
-def timed(side: Side, name: str, fn: Callable[..., None], *args: Any) -> Phase:
-    """``fn(*args)`` as the workload's phase ``name``: wall clock and CPU time."""
+def timed(side: Side, name: str, busy: BusyHost, fn: Callable[..., None], *args: Any) -> Phase:
+    """``fn(*args)`` as the workload's phase ``name``, with ``busy``'s threads running
+    beside it: wall clock and CPU time, theirs apart."""
     side.phase(name)
     before = thread_cpu_seconds()
     cpu, started = cpu_seconds(), time.perf_counter()
+    busy.start()
     try:
         fn(*args)
     finally:
+        busy_share = busy.stop()
         side.phase(None)
-    seconds, cpu_s = time.perf_counter() - started, cpu_seconds() - cpu
+    seconds, cpu_s = time.perf_counter() - started, cpu_seconds() - cpu - busy.cpu_s
     after = thread_cpu_seconds()
     names = {thread.native_id: thread.name for thread in threading.enumerate()}
     by_kind: dict[str, float] = {}
@@ -672,7 +714,8 @@ def timed(side: Side, name: str, fn: Callable[..., None], *args: Any) -> Phase:
         kind = thread_kind(names.get(tid, "native"))
         by_kind[kind] = by_kind.get(kind, 0.0) + total - before.get(tid, 0.0)
     by_kind["exited"] = cpu_s - sum(by_kind.values())
-    return Phase(seconds, cpu_s, {k: round(v, 3) for k, v in by_kind.items() if v >= 0.005})
+    by_thread = {k: round(v, 3) for k, v in by_kind.items() if v >= 0.005}
+    return Phase(seconds, cpu_s, by_thread, busy_share)
 
 
 def page_cache_mode(args: argparse.Namespace) -> str:
@@ -716,7 +759,8 @@ def run_once(
     total = len(requests) * args.job_chunks * args.chunk_bytes
     try:
         make_cold(page_cache, tier_root)
-        store = timed(side, "store", driver.store_all, requests)
+        busy = BusyHost(args.busy_host, args.busy_threads)
+        store = timed(side, "store", busy, driver.store_all, requests)
         with side.manager.lock:
             side.manager.reset_cache()
             side.manager.on_reset_flushed()  # no copy was in flight
@@ -725,7 +769,7 @@ def run_once(
         order = list(requests)
         random.Random(args.seed).shuffle(order)
         read_before = side.fs_bytes_read(driver.stats)
-        load = timed(side, "load", driver.load_all, order)
+        load = timed(side, "load", busy, driver.load_all, order)
         promoted = side.fs_bytes_read(driver.stats) - read_before
         lag = side.loop_lag_p99_ms()
         fs = side.fs_shape()
@@ -751,6 +795,8 @@ def run_once(
         "store_cpu_s_by_thread": store.cpu_by_thread,
         "load_cpu_s_by_thread": load.cpu_by_thread,
         "loop_lag_p99_ms": lag,
+        "busy_share_store": store.busy_share,
+        "busy_share_load": load.busy_share,
         "mismatches": figures.mismatches,
         "copy_failures": figures.copy_failures,
         "lookup_misses": figures.lookup_misses,
@@ -880,6 +926,11 @@ def summarize(
         )
         out[f"{name}_fs"] = runs[name][-1]["fs"]
     out |= facts
+    if "vllm" in sides:
+        # What kvtier's CPU per GiB stored is held to: vLLM's, plus the checksum pass.
+        out["store_cpu_s_per_gib_allowed"] = (
+            sides["vllm"]["store_cpu_s_per_gib"] + facts["checksum_cpu_s_per_gib"]
+        )
     out["figures"] = [list(figure) for figure in FIGURES]
     for name in sides:
         out[f"{name}_runs"] = [{k: v for k, v in run.items() if k != "fs"} for run in runs[name]]
@@ -949,7 +1000,12 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             )
     limits = common.raw_disk(before, raw("raw-after"))
     facts = {
+        # kvtier's fs tier hashes every chunk it writes; vLLM's writes the bytes as they
+        # are. What that pass alone costs, on bytes not in the CPU's caches.
+        "checksum_cpu_s_per_gib": physical.measure_checksum(chunk),
         "page_cache": page_cache,
+        "busy_host": args.busy_host,
+        "busy_threads": args.busy_threads,
         "raw_o_direct": direct,
         "files_kept": keep,
         "raw_threads": args.raw_threads,
@@ -986,6 +1042,20 @@ def report(figures: dict[str, Any]) -> str:
         f"{kvtier_fs['o_direct']}, depth {kvtier_fs['read_depth']} read / "
         f"{kvtier_fs['write_depth']} write"
     )
+    if figures["busy_host"]:
+        shares = [
+            figures[f"{name}_busy_share_{phase}"]
+            for name in SIDES
+            for phase in ("store", "load")
+            if f"{name}_busy_share_{phase}" in figures
+        ]
+        print(
+            f"  busy host: {figures['busy_threads']} thread(s) running Python for "
+            f"{figures['busy_host']:g} of a core during stores and promotions (measured "
+            f"{min(shares):.2f}-{max(shares):.2f}); their CPU is not counted in the figures"
+        )
+    else:
+        print("  quiet host: nothing else runs in the process")
     if not figures["files_kept"]:
         print(
             "  too little free space to keep every run's files until the end: each run's "
@@ -1023,6 +1093,13 @@ def report(figures: dict[str, Any]) -> str:
             for n in sides
         )
     )
+    if "store_cpu_s_per_gib_allowed" in figures and "kvtier_store_cpu_s_per_gib" in figures:
+        print(
+            f"  CPU per GiB stored: kvtier {figures['kvtier_store_cpu_s_per_gib']:.3f} s against "
+            f"vLLM's {figures['vllm_store_cpu_s_per_gib']:.3f} s + the checksum pass alone "
+            f"{figures['checksum_cpu_s_per_gib']:.3f} s = "
+            f"{figures['store_cpu_s_per_gib_allowed']:.3f} s"
+        )
     text = json.dumps(figures)
     print(text)
     return text

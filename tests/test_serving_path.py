@@ -39,10 +39,12 @@ def run_script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
 
 @pytest.mark.slow
 def test_a_quick_serving_path_run_reports_every_figure_and_no_mismatch(tmp_path):
-    done = run_script("--quick", "--root", str(tmp_path), timeout=100)
+    # On a busy host: threads of its own run Python beside the tiers all along.
+    done = run_script("--quick", "--root", str(tmp_path), "--busy-host", "0.3", timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert REQUIRED - figures.keys() == set()
+    assert figures["busy_share_store"] > 0 and figures["busy_share_load"] > 0
     assert figures["mismatches"] == 0
     # Everything stored went to the fs tier and came back from it.
     assert figures["fs_bytes_read"] == figures["chunks"] * figures["chunk_bytes"]
@@ -61,3 +63,9 @@ def test_an_unknown_tier_option_is_named_without_a_traceback(tmp_path):
     assert done.returncode == 1
     assert "secondary_tiers[0].x: unknown setting" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_busy_host_beyond_its_threads_is_refused_with_the_flag_named():
+    done = run_script("--busy-host", "3", "--busy-threads", "2")
+    assert done.returncode == 2
+    assert "--busy-host must be between 0 and --busy-threads" in done.stderr

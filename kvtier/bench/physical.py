@@ -26,6 +26,7 @@ from pathlib import Path
 __all__ = [
     "DiskLimits",
     "drop_page_cache",
+    "measure_checksum",
     "measure_disk",
     "measure_loopback",
     "measure_memcpy",
@@ -203,6 +204,41 @@ def measure_memcpy(nbytes: int = 256 << 20, repeats: int = 4) -> float:
     for _ in range(repeats):
         view_out[:] = view_in
     return len(source) * repeats / (time.perf_counter() - started) / 1e9
+
+
+def measure_checksum(chunk: int, nbytes: int = 1 << 30, span: int = 512 << 20) -> float:
+    """CPU seconds per GiB of the chunk checksum alone (:meth:`ChunkFormat.checksum
+    <kvtier.format.ChunkFormat.checksum>`, every chunk's), over ``nbytes`` in chunks of
+    ``chunk`` bytes.
+
+    The chunks are taken in turn from a buffer of ``span`` bytes, larger than a CPU's
+    caches, so that each is read from memory as a tier reads a chunk the engine wrote
+    a while before: measured here, 0.19 ms per 2 MiB chunk so, against 0.05 ms for
+    the same chunk hashed again from the cache. This is the cost of the one pass over
+    the bytes that kvtier's fs tier adds to a plain file write.
+    """
+    from kvtier.format import ChunkFormat
+
+    count = max(1, span // chunk)
+    buffer = mmap.mmap(-1, count * chunk)
+    try:
+        seed = os.urandom(chunk)
+        for index in range(count):
+            buffer[index * chunk : (index + 1) * chunk] = seed
+        whole = memoryview(buffer)
+        views = [whole[index * chunk : (index + 1) * chunk] for index in range(count)]
+        checksum = ChunkFormat.checksum
+        rounds = max(1, nbytes // chunk)
+        started = time.thread_time()
+        for index in range(rounds):
+            checksum(views[index % count])
+        seconds = time.thread_time() - started
+        for view in views:
+            view.release()
+        whole.release()
+    finally:
+        buffer.close()
+    return seconds / (rounds * chunk / (1 << 30))
 
 
 def measure_loopback(count: int, chunk: int) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.bench import physical
 from kvtier.bench.physical import measure_disk, measure_reads
 
 
@@ -40,3 +41,9 @@ def test_a_raw_disk_pass_removes_its_files_unless_asked_to_keep_them(tmp_path, k
         assert all(path.stat().st_size == 4096 + 65536 for path in left)
     else:
         assert left == []
+
+
+def test_the_checksum_pass_costs_cpu_in_proportion_to_the_bytes():
+    # A small span and total keep it quick; the figure is CPU seconds per GiB.
+    per_gib = physical.measure_checksum(1 << 20, nbytes=64 << 20, span=16 << 20)
+    assert 0 < per_gib < 10
