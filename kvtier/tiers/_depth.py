@@ -18,11 +18,17 @@ Three parts, each usable on its own:
 The controller climbs a hill: from the accepted depth it tries one step up; the step is
 kept while throughput grows enough for the added depth and per-operation latency grows
 no more than that queueing explains; otherwise it goes back and tries one step down,
-kept while the lower depth loses little. Then it holds, watching: windows whose
-latency blows up (the device slowed: another tenant, a throttled volume) halve the
-depth, and every :data:`HOLD_WINDOWS` windows, or when throughput drifts, it probes
-again. Windows in which the depth was not the limit (the tier had less work in
-flight than the depth allowed) say nothing about the depth and are set aside.
+kept while the lower depth loses little. A step that paid nearly in proportion is
+followed by a doubling (the knee is far), and a doubling that went past the knee is
+followed by steps down from it. Then it holds, watching: windows whose latency blows
+up (the device slowed: another tenant, a throttled volume) halve the depth, and every
+:data:`HOLD_WINDOWS` windows, or when throughput drifts, it probes again. A halving
+is itself measured: if the halved depth lost what the depth it left delivered, the
+device did not slow, each operation costs more (files removed nearby on an ext4
+without a journal, a busy CPU), and more operations at once are what hides that, so
+it climbs back at once, doubling. Windows in which the depth was not the limit (the
+tier had less work in flight than the depth allowed) say nothing about the depth and
+are set aside.
 """
 
 from __future__ import annotations
@@ -100,9 +106,17 @@ SATURATED = 0.75
 # moves by more than DRIFT from the accepted window's: the best depth moves with the
 # device and the load (the measured disk's raw reads swung from 1.3 to 3.9 GB/s between
 # runs). A probe costs at most two windows at a worse depth (one up, one down) in
-# eighteen.
+# eighteen. At 0.25, files costing 5 ms more each to create (a loss of 20% at depth 16
+# that depth 32 wins back) went unprobed for HOLD_WINDOWS windows, most of a store.
 HOLD_WINDOWS = 16
-DRIFT = 0.25
+DRIFT = 0.15
+# A step up whose throughput grew by at least this share of the depth it added (+25%
+# depth: +15% throughput) says the device is far from its knee: the next step doubles
+# the depth instead of adding a quarter. Without it, a depth that went down while
+# files were cheap to create took a dozen windows (seconds) to climb back once each
+# file cost milliseconds more to create (files removed nearby on an ext4 without a
+# journal, a busy CPU), and a store of gigabytes ran at half speed all that while.
+BOLD_GAIN = 0.6
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +196,18 @@ class DepthController:
     across a change) is ignored.
     """
 
-    __slots__ = ("_base", "_climbed", "_held", "_phase", "_slow", "depth", "limits")
+    __slots__ = (
+        "_base",
+        "_blown",
+        "_bold",
+        "_climbed",
+        "_held",
+        "_leapt",
+        "_phase",
+        "_slow",
+        "depth",
+        "limits",
+    )
 
     def __init__(self, limits: DepthRange) -> None:
         self.limits = limits
@@ -194,9 +219,16 @@ class DepthController:
         #: Whether this probe up already kept a step (a failed step then ends the climb
         #: instead of trying the other way).
         self._climbed = False
+        #: Whether the last step up paid almost in proportion: the next one doubles.
+        self._bold = False
+        #: Whether the accepted depth was reached by such a doubling (the depths it
+        #: leapt over were never measured).
+        self._leapt = False
         self._held = 0
         #: Blown-up windows in a row.
         self._slow = 0
+        #: The last blown-up window, until the halved depth's first window is measured.
+        self._blown: IoWindow | None = None
 
     def observe(self, window: IoWindow) -> int:
         """Take one window; the depth to run at from now on."""
@@ -210,8 +242,13 @@ class DepthController:
             return self.depth
         base = self._base
         if base is not None and self._blown_up(window, base):
+            if self.depth == self.limits.minimum:
+                # Nothing to halve: each operation costs more than it did, and only
+                # more of them at once can hide that. Measure from here, trying up.
+                self._slow = 0
+                return self._probe_from(window)
             self._slow += 1
-            return self._back_off() if self._slow >= BLOWUP_WINDOWS else self.depth
+            return self._back_off(window) if self._slow >= BLOWUP_WINDOWS else self.depth
         self._slow = 0
         if window.in_flight < SATURATED * window.depth:
             if self._phase is _Phase.UP:
@@ -220,14 +257,24 @@ class DepthController:
             return self.depth
         match self._phase:
             case _Phase.MEASURE:
+                blown, self._blown = self._blown, None
+                if blown is not None and _earns_its_depth(window, blown):
+                    # The halved depth lost what the depth it left gave: the device
+                    # did not slow, each operation costs more (a busy CPU, files
+                    # removed nearby), and more at once hide that. Climb, boldly.
+                    self._climbed, self._bold = True, True
+                    return self._probe_up_from(blown) or self._hold_at(blown)
                 return self._probe_from(window)
             case _Phase.UP:
                 assert base is not None
                 if _earns_its_depth(base, window):
                     self._climbed = True
+                    self._leapt = window.depth > self._step_up(base.depth)
+                    self._bold = _gain_share(base, window) >= BOLD_GAIN
                     return self._probe_up_from(window) or self._hold_at(window)
-                if self._climbed:
+                if self._climbed and not self._leapt:
                     return self._hold_at(base)
+                # Down from a depth a doubling reached: the knee may lie below it.
                 return self._probe_down_from(base) or self._hold_at(base)
             case _Phase.DOWN:
                 assert base is not None
@@ -246,11 +293,11 @@ class DepthController:
 
     def _probe_from(self, window: IoWindow) -> int:
         """``window`` is the accepted depth's measure: try a step up, else down."""
-        self._climbed = False
+        self._climbed = self._bold = self._leapt = False
         return self._probe_up_from(window) or self._probe_down_from(window) or self._hold_at(window)
 
     def _probe_up_from(self, window: IoWindow) -> int | None:
-        target = self._step_up(window.depth)
+        target = self._step_up(window.depth, self._bold)
         if target == window.depth:
             return None
         return self._go(_Phase.UP, window, target)
@@ -268,8 +315,9 @@ class DepthController:
         self._held = 0
         return self._go(_Phase.HOLD, window, window.depth)
 
-    def _back_off(self) -> int:
+    def _back_off(self, blown: IoWindow) -> int:
         self._slow = 0
+        self._blown = blown
         self._base = None
         self._phase = _Phase.MEASURE
         self.depth = max(self.limits.minimum, self.depth // 2)
@@ -283,9 +331,12 @@ class DepthController:
 
     # ------------------------------------------------------------------ rules
 
-    def _step_up(self, depth: int) -> int:
+    def _step_up(self, depth: int, bold: bool = False) -> int:
         # Steps of about a quarter: small enough that a knee is not jumped over, large
-        # enough that the gain of one step stands out of a window's noise.
+        # enough that the gain of one step stands out of a window's noise. A bold step
+        # doubles: the last one paid nearly in proportion, so the knee is further up.
+        if bold:
+            return min(self.limits.maximum, 2 * depth)
         return min(self.limits.maximum, depth + max(1, depth // 4))
 
     def _step_down(self, depth: int) -> int:
@@ -297,6 +348,13 @@ class DepthController:
         # latency is the queue's, not the device's.
         queued = max(1.0, window.depth / base.depth)
         return window.latency > BLOWUP * base.latency * queued
+
+
+def _gain_share(lower: IoWindow, higher: IoWindow) -> float:
+    """What share of ``higher``'s added depth its throughput gained over ``lower``'s
+    (1: in proportion)."""
+    added = higher.depth / lower.depth - 1
+    return (higher.throughput / lower.throughput - 1) / added
 
 
 def _earns_its_depth(lower: IoWindow, higher: IoWindow) -> bool:
