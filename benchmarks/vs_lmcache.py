@@ -110,6 +110,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--root", type=Path, default=None, help="directory on the disk to test")
     parser.add_argument("--sizes", default="1,2", help="object sizes in MiB, comma-separated")
     parser.add_argument("--modes", default=",".join(MODES), help="odirect, pagecache or both")
+    parser.add_argument(
+        "--sides", default=",".join(SIDES), help="a subset of the sides, to profile one"
+    )
     parser.add_argument("--runs", type=int, default=3, help="runs of each side, alternating")
     parser.add_argument("--batches", type=int, default=16, help="measured batches per run")
     parser.add_argument(
@@ -127,6 +130,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.modes = args.modes.split(",")
     if set(args.modes) - set(MODES):
         parser.error(f"--modes takes {', '.join(MODES)}")
+    args.sides = args.sides.split(",")
+    if set(args.sides) - set(SIDES):
+        parser.error(f"--sides takes {', '.join(SIDES)}")
     return args
 
 
@@ -443,44 +449,57 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         for mode in args.modes:
             line = f"{size:g}MiB_{mode}"
             group = root / line
-            runs: dict[str, list[SideRun]] = {side: [] for side in SIDES}
+            runs: dict[str, list[SideRun]] = {side: [] for side in args.sides}
             for index in range(args.runs):
-                for side in SIDES:
+                for side in args.sides:
                     directory = group / f"run{index}-{side}"
                     runs[side].append(run_side(side, directory, payloads, args, mode == "odirect"))
             shutil.rmtree(group, ignore_errors=True)
             figures = {side: side_figures(side_runs) for side, side_runs in runs.items()}
-            ratios, behind = compare(figures)
             for side, values in figures.items():
                 out.update({f"{line}_{side}_{name}": value for name, value in values.items()})
-            out.update({f"{line}_ratio_{name}": value for name, value in ratios.items()})
-            behind_all += [f"{line}_{name}" for name in behind]
+            ratios: dict[str, float] = {}
+            if set(SIDES) <= figures.keys():
+                ratios, behind = compare(figures)
+                out.update({f"{line}_ratio_{name}": value for name, value in ratios.items()})
+                behind_all += [f"{line}_{name}" for name in behind]
             print_table(line, figures, ratios)
-    out["kvtier_ahead"] = not behind_all
-    out["kvtier_behind"] = behind_all
+    if set(SIDES) <= set(args.sides):
+        out["kvtier_ahead"] = not behind_all
+        out["kvtier_behind"] = behind_all
     return out
+
+
+COLUMNS = {"lmcache_fs": "LMCache fs", "lmcache_fs_native": "LMCache fs_native", "kvtier": "kvtier"}
 
 
 def print_table(line: str, figures: dict[str, dict[str, float]], ratios: dict[str, float]) -> None:
     size, mode = line.split("_")
     if mode == "odirect":
-        label = "O_DIRECT (kvtier at its defaults: " + (
-            "O_DIRECT)" if figures["kvtier"]["o_direct"] else "the filesystem refused O_DIRECT)"
-        )
+        label = "O_DIRECT"
+        if "kvtier" in figures:
+            found = figures["kvtier"]["o_direct"]
+            label += f" (kvtier at its defaults: {'O_DIRECT' if found else 'refused, buffered'})"
     else:
         label = 'page cache (LMCache "use_odirect": false, kvtier "o_direct": false)'
     print(f"\n{size} objects, {label}")
-    columns = f"{'LMCache fs':>12}{'LMCache fs_native':>19}{'kvtier':>10}"
-    print(f"  {'':<20}{columns}   kvtier / best LMCache")
+    sides = list(figures)
+    widths = [max(10, len(COLUMNS[side]) + 2) for side in sides]
+
+    def row(label_text: str, cells: list[str], tail: str = "") -> None:
+        text = "".join(f"{cell:>{width}}" for cell, width in zip(cells, widths, strict=True))
+        print(f"  {label_text:<20}{text}{tail}")
+
+    row("", [COLUMNS[side] for side in sides], "   kvtier / best LMCache" if ratios else "")
     for name, (label_text, fmt, more_is_better) in FIGURES.items():
-        cells = [fmt.format(figures[side][name]) for side in SIDES]
         better = "higher" if more_is_better else "lower"
-        ratio = f"{ratios[name]:.2f} ({better} is better)"
-        print(f"  {label_text:<20}{cells[0]:>12}{cells[1]:>19}{cells[2]:>10}   {ratio}")
-    cells = [str(int(figures[side]["mismatches"])) for side in SIDES]
-    print(f"  {'mismatches':<20}{cells[0]:>12}{cells[1]:>19}{cells[2]:>10}")
-    failures = int(figures["kvtier"]["integrity_failures"])
-    print(f"  {'integrity failures':<20}{'-':>12}{'-':>19}{failures:>10}")
+        tail = f"   {ratios[name]:.2f} ({better} is better)" if ratios else ""
+        row(label_text, [fmt.format(figures[side][name]) for side in sides], tail)
+    row("mismatches", [str(int(figures[side]["mismatches"])) for side in sides])
+    row(
+        "integrity failures",
+        [str(int(figures[s]["integrity_failures"])) if s == "kvtier" else "-" for s in sides],
+    )
 
 
 def report(figures: dict[str, Any]) -> str:
