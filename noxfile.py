@@ -1,8 +1,9 @@
 """Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s
 docs`` (the documentation site, built strictly), and
 ``nox -s model`` (the real SmolLM2 model through kvtier; not run by default),
-``nox -s vllm`` (vLLM's real scheduler and connectors driving kvtier) and ``nox -s
-sglang`` (SGLang's real HiCache controllers storing into kvtier)."""
+``nox -s vllm`` (vLLM's real scheduler and connectors driving kvtier), ``nox -s
+sglang`` (SGLang's real HiCache controllers storing into kvtier) and ``nox -s lmcache``
+(LMCache's storage adapters beside kvtier's fs tier, benchmarks/vs_lmcache.py)."""
 
 from __future__ import annotations
 
@@ -145,4 +146,29 @@ def sglang(session: nox.Session) -> None:
             "PYTHONPATH": os.path.abspath(SGLANG_STUBS),
             "HF_HUB_OFFLINE": "1",
         },
+    )
+
+
+# LMCache's requirements pull a CUDA torch, CuPy and cuda-python, so it is installed
+# without them too, from a pin list known to import LMCache's CLI and run `lmcache bench
+# l2` with its fs and fs_native adapters on a CPU-only machine (benchmarks/vs_lmcache.py).
+LMCACHE = "lmcache==0.5.6"
+LMCACHE_PINS = "tests/integrations/lmcache/pins.txt"
+
+
+@nox.session
+def lmcache(session: nox.Session) -> None:
+    """benchmarks/vs_lmcache.py briefly: LMCache's fs and fs_native storage adapters
+    beside kvtier's fs tier, every object checked byte for byte (tests marked lmcache)."""
+    install_without_requirements(session, LMCACHE, LMCACHE_PINS)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "lmcache",
+        "tests/integrations/lmcache",
+        *session.posargs,
+        # LMCache reports usage to its developers' server unless told not to.
+        env={"LMCACHE_TRACK_USAGE": "false"},
     )

@@ -66,7 +66,7 @@ def test_every_session_that_installs_torch_installs_it_through_the_variables():
     assert "torch_install_args(os.environ)" in ast.unparse(engines)
     through = ("torch_install_args", "install_without_requirements")
     torch_sessions = [s.name for s in sessions if any(n in ast.unparse(s) for n in through)]
-    assert torch_sessions == ["tests", "model", "typecheck", "docs", "vllm", "sglang"]
+    assert torch_sessions == ["tests", "model", "typecheck", "docs", "vllm", "sglang", "lmcache"]
     for session in [*sessions, engines]:
         assert "TORCH_CPU" not in ast.unparse(session), session.name
 
