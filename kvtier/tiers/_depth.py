@@ -22,7 +22,8 @@ kept while the lower depth loses little. A step that paid nearly in proportion i
 followed by a doubling (the knee is far), and a doubling that went past the knee is
 followed by steps down from it. Then it holds, watching: windows whose latency blows
 up (the device slowed: another tenant, a throttled volume) halve the depth, and every
-:data:`HOLD_WINDOWS` windows, or when throughput drifts, it probes again. A halving
+:data:`HOLD_WINDOWS` windows, or when throughput drifts, it probes again (a drift down
+with each operation slower probes a doubling first). A halving
 is itself measured: if the halved depth lost what the depth it left delivered, the
 device did not slow, each operation costs more (files removed nearby on an ext4
 without a journal, a busy CPU), and more operations at once are what hides that, so
@@ -284,16 +285,23 @@ class DepthController:
             case _Phase.HOLD:
                 assert base is not None
                 self._held += 1
-                drift = abs(window.throughput / base.throughput - 1)
-                if self._held >= HOLD_WINDOWS or drift > DRIFT:
+                drift = window.throughput / base.throughput - 1
+                if drift < -DRIFT and window.latency > base.latency:
+                    # Slower at the same depth, each operation longer: if more at once
+                    # hide what each now costs, a doubling finds it in one window (and
+                    # steps back down from there if not).
+                    return self._probe_from(window, bold=True)
+                if self._held >= HOLD_WINDOWS or abs(drift) > DRIFT:
                     return self._probe_from(window)
                 return self.depth
 
     # ----------------------------------------------------------------- moves
 
-    def _probe_from(self, window: IoWindow) -> int:
-        """``window`` is the accepted depth's measure: try a step up, else down."""
-        self._climbed = self._bold = self._leapt = False
+    def _probe_from(self, window: IoWindow, bold: bool = False) -> int:
+        """``window`` is the accepted depth's measure: try a step up (a doubling if
+        ``bold``), else down."""
+        self._climbed = self._leapt = False
+        self._bold = bold
         return self._probe_up_from(window) or self._probe_down_from(window) or self._hold_at(window)
 
     def _probe_up_from(self, window: IoWindow) -> int | None:

@@ -144,7 +144,7 @@ def costly_creation(extra_s: float, from_s: float) -> Callable[[float, int], flo
 
 @pytest.mark.parametrize(
     ("extra_ms", "from_s"),
-    [(5, 0.0), (10, 0.0), (20, 0.0), (40, 0.0), (5, 1.0), (10, 1.0)],
+    [(5, 0.0), (10, 0.0), (20, 0.0), (40, 0.0), (5, 1.0), (10, 1.0), (20, 1.0)],
     ids=lambda value: f"{value}",
 )
 def test_files_that_cost_more_to_create_keep_stores_within_a_tenth_of_the_best_fixed_depth(
@@ -154,6 +154,16 @@ def test_files_that_cost_more_to_create_keep_stores_within_a_tenth_of_the_best_f
     best = max(store_run(depth, device)[0] for depth in (2, 4, 8, 16, 24, 32))
     adaptive, depths = store_run(DepthController(DepthRange.adaptive(2, 32, 16)), device)
     assert adaptive >= 0.9 * best, depths
+
+
+def test_a_store_that_slows_at_the_same_depth_probes_a_doubling_first():
+    controller = DepthController(DepthRange.adaptive(2, 32, 16))
+    steady = costly_creation(0.0, 0.0)
+    while controller.depth != 16 or controller._phase.value != "hold":
+        store_run(controller, steady, ios=window_ios(controller.depth))
+    # 10 ms more per file: a fifth slower at 16, short of a blow-up.
+    depths = store_run(controller, costly_creation(0.01, 0.0), ios=window_ios(16) * 4)[1]
+    assert depths[:2] == [16, 32]
 
 
 def test_a_halving_that_loses_what_the_depth_gave_is_undone_with_a_bold_climb():
