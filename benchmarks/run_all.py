@@ -211,53 +211,83 @@ def vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
     return "vllm-path", text
 
 
+#: The busy host vs_vllm.py's second table runs beside both sides: half of one core.
+BUSY_HOST = "0.5"
+
+
 def vs_vllm_section(root: str | None, quick: bool) -> tuple[str, str]:
-    """vs_vllm.py: vLLM's own tiering and kvtier's, alternating, on one workload."""
+    """vs_vllm.py on a quiet host, then on a busy one: vLLM's own tiering and kvtier's,
+    alternating, on one workload; the two side by side."""
     command = [sys.executable, str(HERE / "vs_vllm.py")]
     if root:
         command += ["--root", root]
     if quick:
         command += ["--quick"]
-    r = run_json(command)
+    busy = [*command, "--busy-host", BUSY_HOST]
+    return "vs-vllm", vs_vllm_text(command, run_json(command), busy, run_json(busy))
+
+
+def vs_vllm_text(
+    quiet_command: list[str], quiet: dict[str, Any], busy_command: list[str], busy: dict[str, Any]
+) -> str:
+    """The vs-vllm block: quiet and busy host side by side, each kvtier over vLLM."""
+    runs = (quiet, busy)
     rows = []
-    for key, label, style in r["figures"]:  # as vs_vllm.py prints them
-        cells = [r.get(f"{side}_{key}") for side in ("vllm", "kvtier")]
-        rows.append(
-            [
-                label,
-                *("-" if value is None else style.format(value) for value in cells),
-                f2(r.get(f"ratio_{key}")),
-            ]
-        )
-    rows += [
-        [
-            f"{phase} / raw {way} ({r[f'raw_{way}_gbps']:.2f} GB/s)",
-            *(f"{r[f'{side}_{phase}_ratio']:.2f}" for side in ("vllm", "kvtier")),
-            "-",
-        ]
-        for way, phase in (("write", "store"), ("read", "promotion"))
-    ]
+    for key, label, style in quiet["figures"]:  # as vs_vllm.py prints them
+        row = [label]
+        for r in runs:
+            cells = [r.get(f"{side}_{key}") for side in ("vllm", "kvtier")]
+            row += [*("-" if value is None else style.format(value) for value in cells)]
+            row.append(f2(r.get(f"ratio_{key}")))
+        rows.append(row)
     rows.append(
         [
-            "promotion / raw read of the run's own files (GB/s)",
+            "CPU s per GiB stored allowed (vLLM's + the checksum pass alone)",
             *(
-                f"{r[f'{side}_promotion_own_ratio']:.2f} ({r[f'{side}_own_files_read_gbps']:.2f})"
-                for side in ("vllm", "kvtier")
+                cell
+                for r in runs
+                for cell in (
+                    "-",
+                    f"{r['store_cpu_s_per_gib_allowed']:.2f} "
+                    f"({r['vllm_store_cpu_s_per_gib']:.2f} + {r['checksum_cpu_s_per_gib']:.2f})",
+                    "-",
+                )
             ),
-            "-",
         ]
     )
+    for way, phase in (("write", "store"), ("read", "promotion")):
+        row = [f"{phase} / raw {way}"]
+        for r in runs:
+            row += [f"{r[f'{side}_{phase}_ratio']:.2f}" for side in ("vllm", "kvtier")]
+            row.append(f"raw {r[f'raw_{way}_gbps']:.2f} GB/s")
+        rows.append(row)
+    row = ["promotion / raw read of the run's own files (GB/s)"]
+    for r in runs:
+        row += [
+            f"{r[f'{side}_promotion_own_ratio']:.2f} ({r[f'{side}_own_files_read_gbps']:.2f})"
+            for side in ("vllm", "kvtier")
+        ]
+        row.append("-")
+    rows.append(row)
+    shares = [
+        busy[f"{side}_busy_share_{phase}"]
+        for side in ("vllm", "kvtier")
+        for phase in ("store", "load")
+    ]
+    r = quiet
     vllm_fs = r["vllm_fs"]
-    text = (
-        f"Command: `{display(command)}` ({TODAY}; medians of {r['runs']} alternating runs "
-        f"each; page cache {r['page_cache']}; vLLM's fs I/O {r['vllm_io_path']}, O_DIRECT "
-        f"{vllm_fs['o_direct']}; kvtier's fs O_DIRECT {r['kvtier_fs']['o_direct']}; raw: "
-        f"best of {', '.join(map(str, r['raw_depths']))} threads, O_DIRECT "
-        f"{r['raw_o_direct']}; files "
-        f"{'kept until the end' if r.get('files_kept') else 'removed after each run'})\n\n"
-        + table(["figure", "vLLM", "kvtier", "kvtier / vLLM"], rows)
+    header = ["figure", "quiet: vLLM", "kvtier", "kvtier / vLLM"]
+    header += [f"busy ({busy['busy_host']:g} core): vLLM", "kvtier", "kvtier / vLLM"]
+    return (
+        f"Commands: `{display(quiet_command)}`, then `{display(busy_command)}` ({TODAY}; "
+        f"medians of {r['runs']} alternating runs each; page cache {r['page_cache']}; vLLM's "
+        f"fs I/O {r['vllm_io_path']}, O_DIRECT {vllm_fs['o_direct']}; kvtier's fs O_DIRECT "
+        f"{r['kvtier_fs']['o_direct']}; raw: best of {', '.join(map(str, r['raw_depths']))} "
+        f"threads, O_DIRECT {r['raw_o_direct']}; files "
+        f"{'kept until the end' if r.get('files_kept') else 'removed after each run'}; the "
+        f"busy host's {busy['busy_threads']} Python threads took {min(shares):.2f}-"
+        f"{max(shares):.2f} of a core, their CPU left out of the figures)\n\n" + table(header, rows)
     )
-    return "vs-vllm", text
 
 
 def bench_section(root: str | None, quick: bool) -> tuple[str, str]:
