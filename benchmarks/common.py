@@ -43,7 +43,9 @@ __all__ = [
     "LagProbe",
     "PathRun",
     "Patterns",
+    "add_busy_host_arguments",
     "cascade",
+    "check_busy_host_arguments",
     "check_workload_args",
     "drop_caches",
     "fill_rows",
@@ -54,6 +56,7 @@ __all__ = [
     "print_path_summary",
     "promote",
     "raw_disk",
+    "rounded",
     "run_in_scratch",
     "tier_options",
     "workload_parser",
@@ -189,18 +192,7 @@ def workload_parser(description: str) -> argparse.ArgumentParser:
         "by evicting the tier's files only (the raw reference reads with O_DIRECT "
         "wherever the tier writes with it, either way)",
     )
-    parser.add_argument(
-        "--busy-host",
-        type=float,
-        default=0.0,
-        metavar="SHARE",
-        help="threads of this process run Python (holding the GIL) for this share of one "
-        "core during the stores and promotions, as a serving engine's scheduler and "
-        "workers do (0.5: half a core); 0 (the default): a quiet host",
-    )
-    parser.add_argument(
-        "--busy-threads", type=int, default=2, help="threads the busy host's share is spread over"
-    )
+    add_busy_host_arguments(parser)
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -219,11 +211,46 @@ def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     for name in ("gib", "primary_gib", "chunk_mib", "idle_ms"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    for name in ("job_chunks", "in_flight", "busy_threads"):
+    for name in ("job_chunks", "in_flight"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    check_busy_host_arguments(parser, args)
+
+
+def add_busy_host_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--busy-host`` and ``--busy-threads``: :class:`~kvtier.bench.busy.BusyHost`'s."""
+    parser.add_argument(
+        "--busy-host",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="threads of this process run Python (holding the GIL) for this share of one "
+        "core during the stores and promotions, as a serving engine's scheduler and "
+        "workers do (0.5: half a core), the same for every side measured; 0 (the "
+        "default): a quiet host",
+    )
+    parser.add_argument(
+        "--busy-threads", type=int, default=2, help="threads the busy host's share is spread over"
+    )
+
+
+def check_busy_host_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a busy host its threads cannot be (one core a thread at most)."""
+    if args.busy_threads < 1:
+        parser.error("--busy-threads must be at least 1")
     if not 0 <= args.busy_host <= args.busy_threads:
         parser.error("--busy-host must be between 0 and --busy-threads (one core a thread)")
+
+
+def rounded(value: Any) -> Any:
+    """``value`` with every float in it rounded to 4 places, nested ones too."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rounded(item) for item in value]
+    return value
 
 
 def run_in_scratch(
@@ -536,11 +563,4 @@ def print_path_summary(figures: dict[str, Any]) -> None:
 
 def print_json(figures: dict[str, Any]) -> None:
     """The last line of a benchmark's output: its figures, floats rounded."""
-    print(
-        json.dumps(
-            {
-                name: round(value, 4) if isinstance(value, float) else value
-                for name, value in figures.items()
-            }
-        )
-    )
+    print(json.dumps(rounded(figures)))

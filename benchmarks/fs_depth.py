@@ -212,17 +212,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     for trace in figures["traces"]:
         print(f"  adaptive depth every {SAMPLE_S:g} s: {trace}")
-    print(json.dumps(rounded(figures)))
-
-
-def rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return round(value, 4)
-    if isinstance(value, dict):
-        return {key: rounded(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [rounded(item) for item in value]
-    return value
+    print(json.dumps(common.rounded(figures)))
 
 
 if __name__ == "__main__":

@@ -190,18 +190,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="drop the whole page cache before each phase (falls back to fadvise where "
         "not permitted), or evict the tier's files only",
     )
-    parser.add_argument(
-        "--busy-host",
-        type=float,
-        default=0.0,
-        metavar="SHARE",
-        help="a busy host: threads of this process run Python (holding the GIL) for this "
-        "share of one core during the stores and promotions, as an engine's scheduler and "
-        "workers do (0.5: half a core); the same for both sides. 0 (the default): quiet",
-    )
-    parser.add_argument(
-        "--busy-threads", type=int, default=2, help="threads the busy host's share is spread over"
-    )
+    common.add_busy_host_arguments(parser)
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON here")
     parser.add_argument(
         "--tier-option",
@@ -232,19 +221,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("data_gib", "primary_gib", "chunk_mib", "idle_ms", "timeout_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    for name in (
-        "job_chunks",
-        "in_flight",
-        "runs",
-        "raw_threads",
-        "lookups",
-        "store_cycles",
-        "busy_threads",
-    ):
+    for name in ("job_chunks", "in_flight", "runs", "raw_threads", "lookups", "store_cycles"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not 0 <= args.busy_host <= args.busy_threads:
-        parser.error("--busy-host must be between 0 and --busy-threads (one core a thread)")
+    common.check_busy_host_arguments(parser, args)
     chunk = int(args.chunk_mib * common.MIB)
     if chunk % 4096:
         parser.error("--chunk-mib must be a whole number of 4 KiB pages")
@@ -881,17 +861,6 @@ FIGURES = (
 COUNTS = ("mismatches", "copy_failures", "lookup_misses")
 
 
-def rounded(value: Any) -> Any:
-    """``value`` with every float in it rounded to 4 places."""
-    if isinstance(value, float):
-        return round(value, 4)
-    if isinstance(value, dict):
-        return {key: rounded(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [rounded(item) for item in value]
-    return value
-
-
 def side_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's figures over its runs: medians, and counts summed."""
     out: dict[str, Any] = {}
@@ -934,7 +903,7 @@ def summarize(
     out["figures"] = [list(figure) for figure in FIGURES]
     for name in sides:
         out[f"{name}_runs"] = [{k: v for k, v in run.items() if k != "fs"} for run in runs[name]]
-    return rounded(out)
+    return common.rounded(out)
 
 
 def raw_depths(threads: int) -> list[int]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 from kvtier import KVTier, OffloadingConfig, OffloadKey, make_offload_key
@@ -105,3 +108,19 @@ def wait_finished(worker: Any, count: int) -> list[Any]:
             return results
         pause.wait(0.01)
     raise AssertionError(f"only {len(results)} of {count} jobs finished")
+
+
+#: The repository's benchmark scripts.
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script>`` run as a user runs it, with this interpreter: its exit
+    code and its output."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

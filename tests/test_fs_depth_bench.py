@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fs_depth.py"
+from helpers import run_benchmark
 
 
 def run_script(*args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_benchmark("fs_depth.py", *args, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_path.py"
+from helpers import run_benchmark
 
 #: The figures the serving-path issue asks for, by name.
 REQUIRED = {
@@ -28,13 +25,7 @@ REQUIRED = {
 
 
 def run_script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_benchmark("serving_path.py", *args, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.format import ChunkFormat
+
 __all__ = [
     "DiskLimits",
     "drop_page_cache",
@@ -217,8 +219,6 @@ def measure_checksum(chunk: int, nbytes: int = 1 << 30, span: int = 512 << 20) -
     the same chunk hashed again from the cache. This is the cost of the one pass over
     the bytes that kvtier's fs tier adds to a plain file write.
     """
-    from kvtier.format import ChunkFormat
-
     count = max(1, span // chunk)
     buffer = mmap.mmap(-1, count * chunk)
     try:
