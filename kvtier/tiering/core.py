@@ -149,8 +149,8 @@ class TieringCore:
     ) -> LookupResult:
         """Where ``key`` stands for the request: HIT, HIT_PENDING, MISS or RETRY.
 
-        A secondary-tier hit starts its promotion; ``protected`` keys are never evicted
-        to make room for it.
+        A secondary-tier hit starts its promotion; ``protected`` keys (by default, the
+        keys the request found readable) are never evicted to make room for it.
         """
         gate = self.gate
         if gate is not None:
@@ -169,9 +169,13 @@ class TieringCore:
             if refs is not None:
                 counters[_HITS] += 1
         if refs is not None:
+            if self.tiers:
+                request.found.add(key)
             return _HIT
         if not self.tiers or requests.expired(req_id):
             return _MISS
+        if protected is None:
+            protected = request.found
         result, evicted = self.promotions.resolve(key, request, protected, load_tiers)
         if evicted:
             self.evicted(evicted)

@@ -66,6 +66,9 @@ class Request:
     #: The keys each tier counted a lookup of for it, by tier index (:data:`PRIMARY`
     #: for the primary tier); None once it was scheduled: it counts nothing more.
     counted: dict[int, set[OffloadKey]] | None = field(default_factory=dict)
+    #: The keys it found readable in the primary tier: a promotion it starts never
+    #: evicts one of them, so a prefix found is still there when the request loads it.
+    found: set[OffloadKey] = field(default_factory=set)
 
     def counts_answer(self, tier: int, key: OffloadKey) -> bool:
         """Whether ``tier``'s answer for ``key`` is counted for the request: its first

@@ -150,6 +150,23 @@ def test_threads_storing_and_loading_at_once_get_their_own_bytes(engine_id, tmp_
     assert not errors, errors
 
 
+def test_a_load_never_evicts_a_page_it_found_to_promote_a_later_one(engine_id, tmp_path):
+    # One row: the first page holds it, the second is on disk only. Promoting the
+    # second would take the first's row between finding and pinning it.
+    names, keys = chain(2)
+    with PageStore(config(engine_id, rows=1, tiers=fs(tmp_path))) as store:
+        source = Pages(2)
+        source.fill(names)
+        for index in (1, 0):  # the second page reaches the disk and leaves the row
+            assert store.store(keys[index : index + 1], source.segments()[index : index + 1], 5.0)
+        loop = store.manager.loop
+        assert loop is not None
+        loop.run(store.manager.drain, timeout=5)  # the first page's cascade unpins it
+        target = Pages(2)
+        assert store.load(keys, target.segments(), 5.0) == [True, False]
+        assert target.holds(names) == [True, False]
+
+
 def test_a_slow_tier_makes_a_load_return_by_its_timeout(engine_id):
     tag = f"slow-{uuid.uuid4().hex[:8]}"
     tiers = [{"type": "ScriptedTier", "module_path": "scripted_tier", "tag": tag, "instant": True}]

@@ -442,6 +442,27 @@ async def test_a_prefix_lookup_never_evicts_the_prefix_it_resolves(engine_id):
         manager.complete_load(first, req)
 
 
+async def test_a_key_by_key_lookup_never_evicts_what_the_request_found_readable(engine_id):
+    # vLLM and the page store look a prefix up one key at a time, then pin the hits:
+    # the promotion a later key starts must not take the slot of a hit before it.
+    async with opened(engine_id, [scripted("own", instant=True)], chunks=1) as manager:
+        head, tail = keys("own", 2)
+        for key in (tail, head):  # the tail reaches the tier; the head keeps the slot
+            fill(manager, [key])
+            await settle(manager)
+        req = ReqContext("reader")
+        assert manager.lookup(head, req) is HIT
+        assert manager.lookup(tail, req) is MISS  # no slot but the head's: a counted miss
+        assert manager.metrics.sample(f"{Names.PROMOTION_ALLOCATION_FAILURES}_total") == 1
+        spec = manager.prepare_load([head], req)
+        assert spec.chunk_ids == [manager.primary.slot_of(head)]
+        manager.complete_load([head], req)
+        # Another request's promotion may still evict it.
+        other = ReqContext("other")
+        assert manager.lookup(tail, other) is PENDING
+        assert manager.primary.slot_of(head) is None
+
+
 async def promote_with_tier_held(manager, tier, prompts, requests) -> None:
     """Stored ``prompts`` out of the primary tier, each looked up by its request (all
     pending) and the step ended, while ``tier`` holds every job at its gate."""
