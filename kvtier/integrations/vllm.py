@@ -352,7 +352,9 @@ class KVTierOffloadingManager(vllm_base.OffloadingManager):  # type: ignore[misc
         metrics = self.kvtier.metrics
         self._stats = metrics if isinstance(metrics, StatsRecorder) else None
         # The adapter's own state only: kvtier's manager takes its lock in every call,
-        # and its tier loop never evicts, so a HIT stays readable until prepare_load.
+        # its tier loop never evicts, and a request's own promotions never evict a key
+        # it found readable, so a HIT stays readable until vLLM's prepare_load for it
+        # (in update_state_after_alloc, before the next request is looked up).
         self._lock = threading.RLock()
         #: Keys each request saw as HIT this step, in lookup (prefix) order.
         self._hits: dict[str, dict[OffloadKey, None]] = {}
