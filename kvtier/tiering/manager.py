@@ -153,7 +153,13 @@ class TieringOffloadingManager(AsyncResource):
         with core.lock:
             if self._pending:
                 core.drain()
-            return LoadStoreSpec(chunk_ids=self._ledger.pin_for_request(keys, req.req_id))
+            slots = self._ledger.pin_for_request(keys, req.req_id)
+            request = core.requests.get(req.req_id)
+            if request is not None and request.found:
+                # The pins hold them now; once loaded, the request's own later
+                # promotions may take their slots.
+                request.found.difference_update(keys)
+            return LoadStoreSpec(chunk_ids=slots)
 
     def touch(self, keys: Sequence[OffloadKey], req: ReqContext) -> None:
         """Record a use of ``keys`` (first = head of the prefix) in every tier."""

@@ -66,8 +66,9 @@ class Request:
     #: The keys each tier counted a lookup of for it, by tier index (:data:`PRIMARY`
     #: for the primary tier); None once it was scheduled: it counts nothing more.
     counted: dict[int, set[OffloadKey]] | None = field(default_factory=dict)
-    #: The keys it found readable in the primary tier: a promotion it starts never
-    #: evicts one of them, so a prefix found is still there when the request loads it.
+    #: The keys it found readable in the primary tier and has not pinned since: a
+    #: promotion it starts never evicts one of them, so a prefix found key by key is
+    #: still there when the request pins it for its load.
     found: set[OffloadKey] = field(default_factory=set)
 
     def counts_answer(self, tier: int, key: OffloadKey) -> bool:

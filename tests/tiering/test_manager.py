@@ -457,9 +457,21 @@ async def test_a_key_by_key_lookup_never_evicts_what_the_request_found_readable(
         spec = manager.prepare_load([head], req)
         assert spec.chunk_ids == [manager.primary.slot_of(head)]
         manager.complete_load([head], req)
-        # Another request's promotion may still evict it.
-        other = ReqContext("other")
-        assert manager.lookup(tail, other) is PENDING
+        # Loaded, it no longer holds the request's own promotions back.
+        assert manager.lookup(tail, req) is PENDING
+        assert manager.primary.slot_of(head) is None
+
+
+async def test_a_request_s_hits_hold_back_its_own_promotions_only(engine_id):
+    async with opened(engine_id, [scripted("others", instant=True)], chunks=1) as manager:
+        head, tail = keys("others", 2)
+        for key in (tail, head):
+            fill(manager, [key])
+            await settle(manager)
+        assert manager.lookup(head, ReqContext("reader")) is HIT
+        # Another request's promotion may take the slot: a lookup pins nothing, and a
+        # host pins its hits before it looks up the next request's keys.
+        assert manager.lookup(tail, ReqContext("other")) is PENDING
         assert manager.primary.slot_of(head) is None
 
 
