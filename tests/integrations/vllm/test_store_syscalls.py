@@ -31,6 +31,7 @@ def test_a_quick_run_measures_each_way_at_each_thread_count(tmp_path, capsys):
             assert cell["cpu_s_per_gib"] > 0
             assert min(cell["user_s_per_gib"], cell["sys_s_per_gib"]) >= 0
     assert report["checksum_cpu_s_per_gib"] > 0
+    assert report["region_checksum_cpu_s_per_gib"] > 0
     assert report["chunks"] * report["chunk_bytes"] == 1 << 25
     # Every pass's files and the region are gone.
     assert list(tmp_path.iterdir()) == [out]
