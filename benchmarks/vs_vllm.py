@@ -649,7 +649,7 @@ def thread_cpu_seconds() -> dict[int, float]:
 
     The scheduler's own count (``schedstat``, nanoseconds) where the kernel keeps it: the
     ``stat`` file's user and system times are sampled in clock ticks, and summed over a
-    few dozen threads in a phase of a second or two they miss a fifth of the CPU.
+    few dozen threads in a phase of a second or two they missed up to a fifth of it.
     """
     ticks = os.sysconf("SC_CLK_TCK")
     seconds = {}
