@@ -5,9 +5,9 @@ kvtier's fs tier stores a chunk with ``open`` (``O_CREAT | O_EXCL | O_DIRECT``),
 ``pwritev`` of its header and payload, ``close`` and ``rename``, from Python threads,
 and takes the payload's checksum just before. vLLM 0.33's fs tier makes the same calls
 (``write`` instead of ``pwritev``, no header) from its C extension ``vllm.fs_io_C``,
-one GIL release per batch. This benchmark writes the same chunks, from the same
-shared-memory region (a ``/dev/shm`` file, its pages allocated and mapped first, as
-kvtier's region is), into fresh directories on one disk, each way in turn:
+one GIL release per batch. This benchmark writes the same chunks, from the rows of one
+kvtier region (``SharedOffloadRegion``: shared memory, every page allocated and mapped
+before any pass), into fresh directories on one disk, each way in turn:
 
 * ``vllm_c``: ``vllm.fs_io_C.batch_store_block``, batches of 16 (where it imports);
 * ``python``: kvtier's calls, the header packed with no checksum taken;
@@ -51,6 +51,7 @@ from typing import Any
 from kvtier import make_offload_key
 from kvtier.bench import physical
 from kvtier.format import HEADER_BYTES, ChunkFormat
+from kvtier.region import SharedOffloadRegion
 
 #: Chunks per call of vLLM's batch writer: one request's blocks, as its tier batches them.
 VLLM_BATCH = 16
@@ -96,22 +97,19 @@ def thread_counts(text: str) -> list[int]:
     return counts
 
 
-def shared_rows(chunks: int, chunk_bytes: int) -> tuple[mmap.mmap, list[memoryview]]:
-    """A shared-memory mapping of ``chunks`` distinct rows, every page allocated and
-    written (so mapped) before any pass."""
-    path = Path("/dev/shm") / f"kvtier-bench-{uuid.uuid4().hex}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.unlink(path)
-        os.posix_fallocate(fd, 0, chunks * chunk_bytes)
-        region = mmap.mmap(fd, chunks * chunk_bytes)
-    finally:
-        os.close(fd)
-    whole = memoryview(region)
-    rows = [whole[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(chunks)]
-    for row in rows:
-        row[:] = random.randbytes(4096) * (chunk_bytes // 4096)
-    return region, rows
+def filled_region(chunks: int, chunk_bytes: int) -> SharedOffloadRegion:
+    """A kvtier region of ``chunks`` rows, each holding distinct bytes."""
+    region = SharedOffloadRegion(
+        f"bench-syscalls-{uuid.uuid4().hex[:8]}",
+        num_chunks=chunks,
+        chunk_bytes=chunk_bytes,
+        column_bytes=chunk_bytes,
+        world_size=1,
+        rank=None,
+    )
+    for slot in range(chunks):
+        region.primary_view[slot][:] = random.randbytes(4096) * (chunk_bytes // 4096)
+    return region
 
 
 def python_writer(rows: list[memoryview], checksum: bool) -> Writer:
@@ -159,14 +157,6 @@ def vllm_writer(rows: list[memoryview]) -> Writer | str:
     return write
 
 
-def checksum_rows(rows: list[memoryview]) -> float:
-    """CPU seconds per GiB of the chunk checksum over every row once, in this thread."""
-    started = time.thread_time()
-    for row in rows:
-        ChunkFormat.checksum(row)
-    return (time.thread_time() - started) / (sum(map(len, rows)) / (1 << 30))
-
-
 def process_cpu() -> tuple[float, float]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime, usage.ru_stime
@@ -204,7 +194,8 @@ def medians(passes: list[dict[str, float]], nbytes: int) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    region, rows = shared_rows(args.chunks, args.chunk_bytes)
+    region = filled_region(args.chunks, args.chunk_bytes)
+    rows = [region.primary_view[slot] for slot in range(args.chunks)]
     root = Path(tempfile.mkdtemp(prefix="kvtier-syscalls-", dir=args.root))
     try:
         ways: dict[str, Writer] = {}
@@ -228,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for way in ways
         }
         checksum = physical.measure_checksum(args.chunk_bytes, nbytes=min(nbytes, 1 << 30))
-        region_checksum = checksum_rows(rows)
+        region_checksum = physical.time_checksums(rows, len(rows))
     finally:
         for row in rows:
             row.release()

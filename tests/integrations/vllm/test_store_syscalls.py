@@ -12,7 +12,7 @@ WAYS = {"vllm_c", "python", "python+checksum"}
 
 
 def shared_memory_files() -> set[str]:
-    return {path.name for path in Path("/dev/shm").glob("kvtier-bench-*")}
+    return {path.name for path in Path("/dev/shm").glob("kvtier_bench-syscalls-*")}
 
 
 def test_a_quick_run_measures_each_way_at_each_thread_count(tmp_path, capsys):
